@@ -1,0 +1,175 @@
+"""Annotating modules you cannot edit (the `eqx.nn` layers) from outside.
+
+`ox.annotate(model, where, memory=...)` works like `eqx.tree_at`: `where` selects
+modules or fields, and the result is a copy of the model in which the selected modules
+are instances of a subclass whose fields carry the placement metadata. The subclass keeps
+the original `__call__`, so the model computes exactly as before and
+`isinstance(layer, eqx.nn.Linear)` still holds.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec
+
+from ._activations import Activations, Policy, check_policy
+from ._placement import METADATA_KEY, Memory, Placement, check_memory
+from ._plan import ANNOTATION_ATTRIBUTE
+
+_SUBCLASSES: dict[tuple, type] = {}
+
+
+class _Marker:
+    """Wraps a node selected by `where` while the tree is rebuilt."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _annotated_class(
+    cls: type, fields: frozenset[tuple[str, Placement]], activations: Activations | None
+) -> type:
+    key = (cls, fields, activations)
+    try:
+        return _SUBCLASSES[key]
+    except KeyError:
+        pass
+    originals = {f.name: f for f in dataclasses.fields(cls)}
+    namespace: dict[str, Any] = {"__annotations__": {}, "__module__": cls.__module__}
+    for name, placement in fields:
+        original = originals[name]
+        metadata = dict(original.metadata)
+        metadata[METADATA_KEY] = placement
+        namespace["__annotations__"][name] = original.type
+        namespace[name] = dataclasses.field(
+            default=original.default,
+            default_factory=original.default_factory,
+            init=original.init,
+            repr=original.repr,
+            hash=original.hash,
+            compare=original.compare,
+            metadata=metadata,
+            kw_only=original.kw_only,
+        )
+    if activations is not None:
+        inherited = getattr(cls, ANNOTATION_ATTRIBUTE, None)
+        merged = dict(inherited.items()) if inherited is not None else {}
+        merged.update(activations.items())
+        namespace[ANNOTATION_ATTRIBUTE] = Activations(**merged)
+    subclass = type(cls.__name__, (cls,), namespace)
+    subclass.__qualname__ = cls.__qualname__
+    _SUBCLASSES[key] = subclass
+    return subclass
+
+
+def _copy_as(module: eqx.Module, cls: type) -> eqx.Module:
+    new = object.__new__(cls)
+    for f in dataclasses.fields(module):
+        try:
+            object.__setattr__(new, f.name, getattr(module, f.name))
+        except AttributeError:
+            pass
+    return new
+
+
+def _dynamic_fields(module: eqx.Module) -> list[str]:
+    return [f.name for f in dataclasses.fields(module) if not f.metadata.get("static", False)]
+
+
+def annotate(
+    tree: Any,
+    where: Callable[[Any], Any],
+    *,
+    memory: Memory | None = None,
+    spec: PartitionSpec | None = None,
+    activations: "Activations | dict[str, Policy] | None" = None,
+) -> Any:
+    """Declare placements and activation policies on modules you cannot edit.
+
+    **Arguments:**
+
+    - `tree`: the model (any pytree containing `eqx.Module`s).
+    - `where`: like `eqx.tree_at`'s, selects one node or a sequence of nodes: a module
+        (every array field of it gets the placement) or an array field of a module.
+    - `memory`: `"device"` or `"pinned_host"`; marks the selected leaves as managed.
+    - `spec`: an optional `PartitionSpec` for the selected leaves.
+    - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
+        declared on the selected modules.
+
+    **Returns:** a copy of `tree`; the original is not changed.
+
+    ```python
+    mlp = ox.annotate(mlp, lambda m: m.layers, memory="pinned_host")
+    mlp = ox.annotate(mlp, lambda m: m, activations={"h": "offload"})
+    ```
+    """
+    if memory is None and activations is None:
+        raise ValueError(
+            "ox.annotate(...) was given neither `memory=` nor `activations=`: there is "
+            "nothing to annotate. Pass memory='pinned_host' (or 'device'), and/or "
+            "activations={'name': 'offload'}."
+        )
+    placement = None
+    if memory is not None:
+        check_memory(memory, where="ox.annotate(memory=...)")
+        placement = Placement(memory=memory, spec=spec)
+    if isinstance(activations, dict):
+        for name, policy in activations.items():
+            check_policy(name, policy, where="ox.annotate(activations=...)")
+        activations = Activations(**activations)
+
+    marked = eqx.tree_at(where, tree, replace_fn=_Marker)
+
+    def rebuild(node: Any, path: str) -> Any:
+        if isinstance(node, _Marker):
+            inner = rebuild(node.value, path)
+            if not isinstance(inner, eqx.Module):
+                raise ValueError(
+                    f"ox.annotate: `where` selected `{path}`, a "
+                    f"{type(inner).__name__} that is not a field of a module. Select a "
+                    "module (every array field of it is annotated) or a whole field of a "
+                    "module, e.g. `lambda m: m.layers[0]` or `lambda m: m.layers[0].weight`."
+                )
+            fields = frozenset((name, placement) for name in _dynamic_fields(inner)) if placement else frozenset()
+            return _copy_as(inner, _annotated_class(type(inner), fields, activations))
+        if isinstance(node, eqx.Module):
+            overrides = []
+            values = {}
+            for f in dataclasses.fields(node):
+                try:
+                    value = getattr(node, f.name)
+                except AttributeError:
+                    continue
+                child_path = f"{path}.{f.name}"
+                if isinstance(value, _Marker) and not isinstance(value.value, eqx.Module):
+                    if activations is not None and placement is None:
+                        raise ValueError(
+                            f"ox.annotate: `where` selected the field `{child_path}`, but "
+                            "activations are declared on modules. Select the module "
+                            f"`{path}` instead."
+                        )
+                    overrides.append((f.name, placement))
+                    value = value.value
+                values[f.name] = rebuild(value, child_path)
+            cls = type(node)
+            if overrides:
+                cls = _annotated_class(cls, frozenset(overrides), None)
+            new = object.__new__(cls)
+            for name, value in values.items():
+                object.__setattr__(new, name, value)
+            return new
+        if eqx.is_array(node) or node is None:
+            return node
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        if len(children) == 1 and children[0][1] is node:
+            return node
+        return jax.tree_util.tree_map(
+            lambda child: rebuild(child, path), node, is_leaf=lambda x: x is not node
+        )
+
+    return rebuild(marked, "tree")

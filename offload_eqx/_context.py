@@ -1,0 +1,67 @@
+"""The plan in force while `ox.filter_jit` traces, read by regions and the optimizer."""
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._plan import Plan
+
+_ACTIVE_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
+    "offload_eqx_plan", default=None
+)
+
+
+def active_plan() -> Plan | None:
+    return _ACTIVE_PLAN.get()
+
+
+@contextlib.contextmanager
+def using_plan(plan: Plan) -> Iterator[None]:
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _ACTIVE_PLAN.reset(token)
+
+
+def is_host_typed(x: Any) -> bool:
+    """Whether `x` is an array whose type says it lives in host memory.
+
+    Works on concrete arrays and on tracers alike: inside a trace the memory space is
+    part of the type (`f32<host>[...]`).
+    """
+    if not eqx.is_array(x):
+        return False
+    try:
+        return jax.typeof(x).memory_space == jax.memory.Space.Host
+    except (AttributeError, TypeError):
+        return False
+
+
+def to_device(x: Any) -> Any:
+    """An explicit host-to-device transfer of a host-typed array; anything else unchanged."""
+    if is_host_typed(x):
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def to_host(x: Any) -> Any:
+    """An explicit device-to-host transfer of a device-typed array; anything else unchanged."""
+    if eqx.is_array(x) and not is_host_typed(x):
+        return jax.device_put(x, jax.memory.Space.Host)
+    return x
+
+
+def type_matches(x: jax.Array) -> bool:
+    """Whether a concrete array's type agrees with the memory kind of its sharding.
+
+    They can disagree: a `jax.jit` whose `out_shardings` put a device-typed result in
+    `pinned_host` returns an array in host memory whose type says device, and every
+    later trace then compiles it as device memory.
+    """
+    host_kind = x.sharding.memory_kind == "pinned_host"
+    return host_kind == (jax.typeof(x).memory_space == jax.memory.Space.Host)

@@ -1,0 +1,334 @@
+"""`ox.filter_jit`: `eqx.filter_jit` that compiles a plan into shardings and donation.
+
+Per call it flattens the arguments once, looks the static part up in a cache, and calls a
+`jax.jit` whose arguments are the array leaves themselves: explicit `in_shardings` from
+the plan (so an argument in the wrong memory is never silently copied), `out_shardings`
+from the memory space of each traced output, and donation decided per leaf.
+"""
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._activations import recording
+from ._context import type_matches, using_plan
+from ._plan import Plan
+from ._strategy import Strategy, resolve_strategy
+
+Donate = Literal["all", "all-except-first", "none"]
+_DONATE = ("all", "all-except-first", "none")
+
+_HOST_OUTSIDE_REGION = (
+    "A host-resident array was used outside any `ox.scan`/`ox.checkpoint` region: "
+    "{error} Host-resident leaves in this call: {paths}. Arrays in pinned_host memory are "
+    "fetched to the device only inside regions; call the module that uses them through "
+    "`ox.scan(...)` or `ox.checkpoint(...)`, or place them on the device "
+    "(`ox.field(memory='device')`, or a strategy that keeps parameters on the device)."
+)
+_MISTYPED = (
+    "Argument `{path}` is in {kind!r} memory but its type is `{type}`: it was probably "
+    "made by a `jax.jit` whose `out_shardings` put a device-typed result in host memory, "
+    "and JAX would compile it as device memory. Re-place it once, outside the step: "
+    "`ox.place(...)`, or `jax.device_put(x, jax.memory.Space.Host)`."
+)
+_MEMORY_MISMATCH = "Memory kinds passed to jax.jit does not match"
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _labels(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Name each argument after the function's parameters, for readable leaf paths."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    roots = []
+    positional = [
+        p for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    for i, arg in enumerate(args):
+        label = positional[i].name if i < len(positional) else f"args[{i}]"
+        roots.append((label, arg))
+    for key in sorted(kwargs):
+        roots.append((key, kwargs[key]))
+    return roots
+
+
+@dataclasses.dataclass
+class _Entry:
+    jitted: Any
+    plan: Plan
+    in_shardings: tuple
+    # [out_treedef, out_static, out_mask], written by each trace of the function: a new
+    # input shape retraces before the call returns, so the cell always matches the output.
+    out_cell: list
+
+    def rebuild(self, dynamic_out):
+        out_treedef, out_static, out_mask = self.out_cell
+        dynamic_iter = iter(dynamic_out)
+        static_iter = iter(out_static)
+        leaves = [next(dynamic_iter) if m else next(static_iter) for m in out_mask]
+        return jax.tree_util.tree_unflatten(out_treedef, leaves)
+
+
+def _device_of(leaves: list) -> jax.Device:
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            devices = leaf.sharding.device_set
+            if len(devices) == 1:
+                return next(iter(devices))
+    return jax.devices()[0]
+
+
+class _JitWrapper:
+    def __init__(self, fn: Callable, strategy: Strategy, donate: Donate, mesh):
+        self.fn = fn
+        self.strategy = strategy
+        self.donate = donate
+        self.mesh = mesh
+        self._cache: dict[Any, _Entry] = {}
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+    # -- the per-call path -----------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        mask = tuple(map(_is_dynamic, leaves))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            # Called inside another trace: inline, like a nested jax.jit would.
+            return self.fn(*args, **kwargs)
+        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
+        key = (treedef, mask, statics)
+        try:
+            entry = self._cache.get(key)
+        except TypeError as e:
+            raise TypeError(
+                f"ox.filter_jit({self.__name__}): a non-array argument is not hashable "
+                f"({e}). Non-array leaves are static (part of the compile cache key), so "
+                "they must be hashable: pass arrays for values that change, or make the "
+                "object hashable."
+            ) from None
+        dynamic = [leaf for leaf, m in zip(leaves, mask) if m]
+        if entry is None:
+            entry = self._compile(args, kwargs, leaves, treedef, mask, dynamic)
+            self._cache[key] = entry
+            dynamic = _move(dynamic, entry.in_shardings)
+        try:
+            out = entry.jitted(*dynamic)
+        except ValueError as e:
+            if _MEMORY_MISMATCH not in str(e):
+                raise
+            # Arguments not yet where the plan puts them (e.g. a new strategy on a model
+            # placed for another): move them once, explicitly. The outputs come back in
+            # planned memory, so the next call moves nothing.
+            out = entry.jitted(*_move(dynamic, entry.in_shardings))
+        return entry.rebuild(out)
+
+    # -- compiling an entry ----------------------------------------------------------
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """The plan this function applies to these arguments (nothing is compiled)."""
+        return Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
+
+    def _donated(self, plan: Plan, args: tuple, dynamic: list, out_avals) -> tuple[int, ...]:
+        if self.donate == "none":
+            return ()
+        first = 0
+        if self.donate == "all-except-first" and args:
+            first = sum(1 for leaf in jax.tree_util.tree_leaves(args[0]) if _is_dynamic(leaf))
+        outputs: dict[tuple, int] = {}
+        for aval in out_avals:
+            key = (tuple(aval.shape), aval.dtype, _is_host_aval(aval))
+            outputs[key] = outputs.get(key, 0) + 1
+        device_outputs = {(shape, dtype) for shape, dtype, host in outputs if not host}
+        donated = []
+        for i, (leaf, leaf_plan) in enumerate(zip(dynamic, plan.leaves)):
+            if i < first or not isinstance(leaf, jax.Array):
+                continue
+            host = leaf.sharding.memory_kind == "pinned_host"
+            if host and (leaf_plan.shape, leaf_plan.dtype) in device_outputs:
+                # XLA may alias a donated host buffer to a same-shaped device output, which
+                # aborts the process (see ../shared/reference): keep such buffers.
+                continue
+            key = (leaf_plan.shape, leaf_plan.dtype, host)
+            if outputs.get(key, 0) == 0:
+                continue  # no output could reuse it: donating would only warn
+            outputs[key] -= 1
+            donated.append(i)
+        return tuple(donated)
+
+    def _make_flat(self, plan: Plan, treedef, mask, statics, entry_cell: list):
+        fn = self.fn
+
+        def flat(*dynamic):
+            dynamic_iter = iter(dynamic)
+            static_iter = iter(statics)
+            leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            with using_plan(plan), recording() as record:
+                try:
+                    out = fn(*args, **kwargs)
+                except ValueError as e:
+                    if "memory_space of all inputs" not in str(e):
+                        raise
+                    paths = ", ".join(f"`{leaf.path}`" for leaf in plan.leaves_in("pinned_host"))
+                    raise ValueError(
+                        _HOST_OUTSIDE_REGION.format(error=str(e).split("\n")[0], paths=paths or "none")
+                    ) from None
+            plan.check_trace(record.inside_regions, record.outside_regions)
+            out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+            out_mask = tuple(map(_is_dynamic, out_leaves))
+            entry_cell[:] = [
+                out_treedef,
+                tuple(x for x, m in zip(out_leaves, out_mask) if not m),
+                out_mask,
+            ]
+            return [x for x, m in zip(out_leaves, out_mask) if m]
+
+        return flat
+
+    def _compile(self, args, kwargs, leaves, treedef, mask, dynamic) -> _Entry:
+        plan = Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
+        for leaf, leaf_plan in zip(dynamic, plan.leaves):
+            if isinstance(leaf, jax.Array) and not type_matches(leaf):
+                raise ValueError(_MISTYPED.format(path=leaf_plan.path, kind=leaf.sharding.memory_kind, type=jax.typeof(leaf).str_short()))
+        plan.check_strategy()
+        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
+        in_shardings = tuple(
+            None if leaf_plan.memory is None else plan.sharding(leaf_plan, getattr(leaf, "sharding", None))
+            for leaf, leaf_plan in zip(dynamic, plan.leaves)
+        )
+        cell: list = []
+        flat = self._make_flat(plan, treedef, mask, statics, cell)
+        # Trace on abstract values typed by the *planned* memory, whatever memory the
+        # arguments are in now (they are moved before the first call).
+        abstract = [
+            jax.ShapeDtypeStruct(
+                np.shape(leaf), leaf.dtype, sharding=_typed(s if s is not None else getattr(leaf, "sharding", None))
+            )
+            for leaf, s in zip(dynamic, in_shardings)
+        ]
+        traced = jax.jit(flat).trace(*abstract)
+        out_avals = traced.jaxpr.out_avals
+        device = _device_of(dynamic)
+        out_shardings = [
+            _out_sharding(aval, device, self.mesh) for aval in out_avals
+        ]
+        donate = self._donated(plan, args, dynamic, out_avals)
+        jitted = jax.jit(
+            flat, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        )
+        return _Entry(jitted=jitted, plan=plan, in_shardings=in_shardings, out_cell=cell)
+
+    def _entry_for(self, args, kwargs) -> tuple[_Entry, list]:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        mask = tuple(map(_is_dynamic, leaves))
+        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
+        dynamic = [leaf for leaf, m in zip(leaves, mask) if m]
+        key = (treedef, mask, statics)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, kwargs, leaves, treedef, mask, dynamic)
+            self._cache[key] = entry
+        return entry, dynamic
+
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
+        """Trace for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
+        entry, dynamic = self._entry_for(args, kwargs)
+        return entry.jitted.trace(*dynamic)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
+        return self.trace(*args, **kwargs).lower()
+
+
+def _move(dynamic: list, shardings: tuple) -> list:
+    """Explicitly move the arguments whose memory kind differs from the plan's."""
+    return [
+        jax.device_put(x, s)
+        if s is not None and isinstance(x, jax.Array) and x.sharding.memory_kind != s.memory_kind
+        else x
+        for x, s in zip(dynamic, shardings)
+    ]
+
+
+@functools.cache
+def _single_device_mesh(device: jax.Device) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array([device]), ("_device",))
+
+
+def _typed(sharding):
+    """A sharding that types a `jax.ShapeDtypeStruct` by its memory kind.
+
+    A `ShapeDtypeStruct` with a `SingleDeviceSharding(..., memory_kind="pinned_host")`
+    traces as device memory; the equivalent `NamedSharding` traces as `<host>`.
+    """
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return jax.sharding.NamedSharding(
+            _single_device_mesh(device), jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+        )
+    return sharding
+
+
+def _is_host_aval(aval) -> bool:
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def _out_sharding(aval, device, mesh):
+    memory = "pinned_host" if _is_host_aval(aval) else "device"
+    if mesh is not None:
+        return None if memory == "device" else jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(), memory_kind=memory
+        )
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory)
+
+
+def filter_jit(
+    fn: Callable | None = None,
+    *,
+    strategy: "str | Strategy | None" = None,
+    donate: Donate = "none",
+    mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+    """`eqx.filter_jit` that compiles the placement plan of its arguments.
+
+    **Arguments:**
+
+    - `fn`: the function. Array leaves of its arguments are traced, everything else is
+        static, as in `eqx.filter_jit`. Both `@ox.filter_jit` and `@ox.filter_jit(...)`.
+    - `strategy`: `"annotated"` (default: the model's own annotations), `"baseline"`,
+        `"remat"`, `"offload_activations"`, `"offload_params"`, `"offload_optimizer"`,
+        `"hybrid"`, or an `ox.Strategy`.
+    - `donate`: `"all"`, `"all-except-first"` or `"none"`, decided per array leaf.
+    - `mesh`: the mesh for leaves declared with a partition spec.
+
+    Arguments are compiled with explicit input shardings from the plan; outputs get the
+    memory kind of their traced type, so a host-resident parameter updated with
+    `ox.apply_updates` comes back in `pinned_host`. Arguments that are not yet where the
+    plan puts them are moved there once, explicitly, on the call.
+    """
+    strategy = resolve_strategy(strategy)
+    if donate not in _DONATE:
+        raise ValueError(
+            f"ox.filter_jit(donate={donate!r}): expected one of "
+            + ", ".join(repr(d) for d in _DONATE)
+            + "."
+        )
+    if fn is None:
+        return functools.partial(filter_jit, strategy=strategy, donate=donate, mesh=mesh)
+    return _JitWrapper(fn, strategy, donate, mesh)
