@@ -18,7 +18,7 @@ import numpy as np
 
 from ._activations import recording
 from ._context import type_matches, using_plan
-from ._plan import Plan
+from ._plan import Plan, format_path
 from ._strategy import Strategy, resolve_strategy
 
 Donate = Literal["all", "all-except-first", "none"]
@@ -64,13 +64,42 @@ def _labels(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
 
 
 @dataclasses.dataclass
-class _Entry:
-    jitted: Any
-    plan: Plan
-    in_shardings: tuple
+class Compilation:
+    """What `ox.filter_jit` compiles for one cache entry: a flat function of the array
+    leaves, and everything needed to compile it for another backend (`ox.memory_report`)
+    or to walk its program (`ox.audit`)."""
+
+    jitted: Any  # jax.jit(flat, in_shardings, out_shardings, donate_argnums)
+    flat: Callable[..., list]  # array leaves in, array leaves out
+    plan: Plan  # plan.leaves[i] describes argument i of `flat`
+    in_shardings: tuple  # None: not managed (compiled wherever the argument is)
+    out_avals: tuple  # traced output types (memory space included)
+    out_shardings: tuple
+    donate_argnums: tuple[int, ...]
     # [out_treedef, out_static, out_mask], written by each trace of the function: a new
     # input shape retraces before the call returns, so the cell always matches the output.
     out_cell: list
+
+    def abstract(self, dynamic: list) -> list[jax.ShapeDtypeStruct]:
+        """Abstract arguments typed by their planned memory."""
+        return [
+            jax.ShapeDtypeStruct(
+                np.shape(leaf), leaf.dtype,
+                sharding=_typed(s if s is not None else getattr(leaf, "sharding", None)),
+            )
+            for leaf, s in zip(dynamic, self.in_shardings)
+        ]
+
+    @property
+    def out_memories(self) -> tuple[str, ...]:
+        return tuple("pinned_host" if _is_host_aval(a) else "device" for a in self.out_avals)
+
+    def output_paths(self, root: str = "output") -> list[str]:
+        """The leaf path of each array output, e.g. `output[0].layers.w1`."""
+        out_treedef, out_static, out_mask = self.out_cell
+        placeholders = jax.tree_util.tree_unflatten(out_treedef, list(range(len(out_mask))))
+        paths = jax.tree_util.tree_flatten_with_path(placeholders)[0]
+        return [format_path(root, path) for (path, i) in paths if out_mask[i]]
 
     def rebuild(self, dynamic_out):
         out_treedef, out_static, out_mask = self.out_cell
@@ -95,7 +124,7 @@ class _JitWrapper:
         self.strategy = strategy
         self.donate = donate
         self.mesh = mesh
-        self._cache: dict[Any, _Entry] = {}
+        self._cache: dict[Any, Compilation] = {}
         functools.update_wrapper(self, fn)
 
     def __get__(self, instance, owner=None):
@@ -201,7 +230,7 @@ class _JitWrapper:
 
         return flat
 
-    def _compile(self, args, kwargs, leaves, treedef, mask, dynamic) -> _Entry:
+    def _compile(self, args, kwargs, leaves, treedef, mask, dynamic) -> Compilation:
         plan = Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
         for leaf, leaf_plan in zip(dynamic, plan.leaves):
             if isinstance(leaf, jax.Array) and not type_matches(leaf):
@@ -214,27 +243,26 @@ class _JitWrapper:
         )
         cell: list = []
         flat = self._make_flat(plan, treedef, mask, statics, cell)
+        entry = Compilation(
+            jitted=None, flat=flat, plan=plan, in_shardings=in_shardings, out_avals=(),
+            out_shardings=(), donate_argnums=(), out_cell=cell,
+        )
         # Trace on abstract values typed by the *planned* memory, whatever memory the
         # arguments are in now (they are moved before the first call).
-        abstract = [
-            jax.ShapeDtypeStruct(
-                np.shape(leaf), leaf.dtype, sharding=_typed(s if s is not None else getattr(leaf, "sharding", None))
-            )
-            for leaf, s in zip(dynamic, in_shardings)
-        ]
-        traced = jax.jit(flat).trace(*abstract)
-        out_avals = traced.jaxpr.out_avals
+        traced = jax.jit(flat).trace(*entry.abstract(dynamic))
+        entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
-        out_shardings = [
-            _out_sharding(aval, device, self.mesh) for aval in out_avals
-        ]
-        donate = self._donated(plan, args, dynamic, out_avals)
-        jitted = jax.jit(
-            flat, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        entry.out_shardings = tuple(_out_sharding(aval, device, self.mesh) for aval in entry.out_avals)
+        entry.donate_argnums = self._donated(plan, args, dynamic, entry.out_avals)
+        entry.jitted = jax.jit(
+            flat,
+            in_shardings=in_shardings,
+            out_shardings=list(entry.out_shardings),
+            donate_argnums=entry.donate_argnums,
         )
-        return _Entry(jitted=jitted, plan=plan, in_shardings=in_shardings, out_cell=cell)
+        return entry
 
-    def _entry_for(self, args, kwargs) -> tuple[_Entry, list]:
+    def _entry_for(self, args, kwargs) -> tuple[Compilation, list]:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         mask = tuple(map(_is_dynamic, leaves))
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
@@ -249,7 +277,12 @@ class _JitWrapper:
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """Trace for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
         entry, dynamic = self._entry_for(args, kwargs)
-        return entry.jitted.trace(*dynamic)
+        return entry.jitted.trace(*entry.abstract(dynamic))
+
+    def compilation(self, *args: Any, **kwargs: Any) -> tuple[Compilation, list]:
+        """The cache entry for these arguments and their array leaves (for reports and
+        the audit: `entry.flat`, `entry.plan`, `entry.abstract(leaves)`)."""
+        return self._entry_for(args, kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""

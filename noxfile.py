@@ -1,0 +1,81 @@
+"""Sessions for offload_eqx. Every session installs what it needs into its own venv.
+
+    nox -s tests            # CPU unit tests (one device)
+    nox -s multidevice      # tests on 8 CPU devices and across 2 processes
+    nox -s deviceless       # memory reports from the real XLA:GPU / XLA:TPU compilers
+    nox -s lint typecheck   # ruff, pyright
+    nox -s experiments      # the experiments on small defaults (--smoke)
+    nox -s benchmarks       # dispatch overhead, audit time
+"""
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "typecheck", "tests", "deviceless"]
+
+PYTHON = "3.11"
+# A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;
+# this project only ever compiles for GPUs, so the platform is always chosen.
+CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    session.run("pytest", *args, *session.posargs, env=CPU_ENV)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """CPU unit tests: `nox -s tests` (pass pytest options after `--`)."""
+    session.install("-e", ".[test]")
+    _pytest(session, "-m", "not deviceless and not multidevice")
+
+
+@nox.session(python=PYTHON)
+def multidevice(session: nox.Session) -> None:
+    """Tests on 8 CPU devices and two processes: `nox -s multidevice`."""
+    session.install("-e", ".[test]")
+    _pytest(session, "-m", "multidevice")
+
+
+@nox.session(python=PYTHON)
+def deviceless(session: nox.Session) -> None:
+    """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
+    session.install("-e", ".[test,cuda,tpu]")
+    _pytest(session, "-m", "deviceless")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff: `nox -s lint`."""
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", "offload_eqx", "tests", "experiments", "noxfile.py", *session.posargs)
+    session.run("ruff", "format", "--check", "offload_eqx", "tests", "experiments", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """pyright on the package and the tests: `nox -s typecheck`."""
+    session.install("-e", ".[test,lint]")
+    session.run("pyright", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def experiments(session: nox.Session) -> None:
+    """All experiments on small defaults: `nox -s experiments` (`-- --full` for full sizes)."""
+    session.install("-e", ".[experiments,cuda,tpu]")
+    size = "--full" if "--full" in session.posargs else "--smoke"
+    for script in sorted(os.listdir("experiments")):
+        if script.endswith(".py"):
+            session.run("python", f"experiments/{script}", size, env=CPU_ENV)
+
+
+@nox.session(python=PYTHON)
+def benchmarks(session: nox.Session) -> None:
+    """Benchmarks (dispatch overhead, audit time): `nox -s benchmarks`."""
+    session.install("-e", ".[test]")
+    for script in sorted(os.listdir("benchmarks")):
+        if script.endswith(".py"):
+            session.run("python", f"benchmarks/{script}", *session.posargs, env=CPU_ENV)

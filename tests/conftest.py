@@ -1,0 +1,11 @@
+import os
+
+# Before jax is imported anywhere: choose the platform (the CUDA plugin, when installed
+# for deviceless compiles, otherwise probes for a driver) and use strict promotion.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "deviceless: compiles for h100/tpu-v5p without the hardware")
+    config.addinivalue_line("markers", "multidevice: needs 8 CPU devices or 2 processes")
