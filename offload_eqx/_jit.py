@@ -119,8 +119,9 @@ def _device_of(leaves: list) -> jax.Device:
 
 
 class _JitWrapper:
-    def __init__(self, fn: Callable, strategy: Strategy, donate: Donate, mesh):
+    def __init__(self, fn: Callable, strategy: Strategy, donate: Donate, mesh, audit: bool):
         self.fn = fn
+        self.audit = audit
         self.strategy = strategy
         self.donate = donate
         self.mesh = mesh
@@ -135,6 +136,14 @@ class _JitWrapper:
     # -- the per-call path -----------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.audit:
+            from ._guard import no_implicit_transfers
+
+            with no_implicit_transfers(_labels(self.fn, args, kwargs)):
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         mask = tuple(map(_is_dynamic, leaves))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -337,6 +346,7 @@ def filter_jit(
     strategy: "str | Strategy | None" = None,
     donate: Donate = "none",
     mesh: jax.sharding.Mesh | None = None,
+    audit: bool = False,
 ) -> Any:
     """`eqx.filter_jit` that compiles the placement plan of its arguments.
 
@@ -349,6 +359,9 @@ def filter_jit(
         `"hybrid"`, or an `ox.Strategy`.
     - `donate`: `"all"`, `"all-except-first"` or `"none"`, decided per array leaf.
     - `mesh`: the mesh for leaves declared with a partition spec.
+    - `audit`: run every call under `ox.no_implicit_transfers()`: an argument that would
+        be copied implicitly (a numpy array, a Python scalar, an array on another device)
+        is an error naming its leaf path.
 
     Arguments are compiled with explicit input shardings from the plan; outputs get the
     memory kind of their traced type, so a host-resident parameter updated with
@@ -363,5 +376,5 @@ def filter_jit(
             + "."
         )
     if fn is None:
-        return functools.partial(filter_jit, strategy=strategy, donate=donate, mesh=mesh)
-    return _JitWrapper(fn, strategy, donate, mesh)
+        return functools.partial(filter_jit, strategy=strategy, donate=donate, mesh=mesh, audit=audit)
+    return _JitWrapper(fn, strategy, donate, mesh, audit)
