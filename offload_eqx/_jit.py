@@ -18,6 +18,7 @@ import numpy as np
 
 from ._activations import recording
 from ._context import type_matches, using_plan
+from ._mesh import check_mesh, output_sharding
 from ._plan import Plan, format_path
 from ._strategy import Strategy, resolve_strategy
 
@@ -192,16 +193,13 @@ class _JitWrapper:
         for aval in out_avals:
             key = (tuple(aval.shape), aval.dtype, _is_host_aval(aval))
             outputs[key] = outputs.get(key, 0) + 1
-        device_outputs = {(shape, dtype) for shape, dtype, host in outputs if not host}
         donated = []
         for i, (leaf, leaf_plan) in enumerate(zip(dynamic, plan.leaves)):
             if i < first or not isinstance(leaf, jax.Array):
                 continue
-            host = leaf.sharding.memory_kind == "pinned_host"
-            if host and (leaf_plan.shape, leaf_plan.dtype) in device_outputs:
-                # XLA may alias a donated host buffer to a same-shaped device output, which
-                # aborts the process (see ../shared/reference): keep such buffers.
-                continue
+            host = leaf_plan.memory == "pinned_host" or (
+                leaf_plan.memory is None and leaf.sharding.memory_kind == "pinned_host"
+            )
             key = (leaf_plan.shape, leaf_plan.dtype, host)
             if outputs.get(key, 0) == 0:
                 continue  # no output could reuse it: donating would only warn
@@ -246,8 +244,12 @@ class _JitWrapper:
                 raise ValueError(_MISTYPED.format(path=leaf_plan.path, kind=leaf.sharding.memory_kind, type=jax.typeof(leaf).str_short()))
         plan.check_strategy()
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
+        # Every argument gets an explicit sharding, unmanaged ones their current one: JAX
+        # pairs donated inputs with outputs by memory kind only when all memory kinds
+        # are known; otherwise it may alias a device buffer to a host output (or the
+        # reverse), and the runtime aborts the process.
         in_shardings = tuple(
-            None if leaf_plan.memory is None else plan.sharding(leaf_plan, getattr(leaf, "sharding", None))
+            plan.sharding(leaf_plan, getattr(leaf, "sharding", None))
             for leaf, leaf_plan in zip(dynamic, plan.leaves)
         )
         cell: list = []
@@ -261,7 +263,7 @@ class _JitWrapper:
         traced = jax.jit(flat).trace(*entry.abstract(dynamic))
         entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
-        entry.out_shardings = tuple(_out_sharding(aval, device, self.mesh) for aval in entry.out_avals)
+        entry.out_shardings = tuple(_out_sharding(aval, device, plan.mesh) for aval in entry.out_avals)
         entry.donate_argnums = self._donated(plan, args, dynamic, entry.out_avals)
         entry.jitted = jax.jit(
             flat,
@@ -334,9 +336,8 @@ def _is_host_aval(aval) -> bool:
 def _out_sharding(aval, device, mesh):
     memory = "pinned_host" if _is_host_aval(aval) else "device"
     if mesh is not None:
-        return None if memory == "device" else jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(), memory_kind=memory
-        )
+        # Outputs keep their shardings (an FSDP parameter stays sharded); see _mesh.
+        return output_sharding(aval, mesh, memory)
     return jax.sharding.SingleDeviceSharding(device, memory_kind=memory)
 
 
@@ -369,6 +370,7 @@ def filter_jit(
     plan puts them are moved there once, explicitly, on the call.
     """
     strategy = resolve_strategy(strategy)
+    check_mesh(mesh, where="ox.filter_jit(mesh=...)")
     if donate not in _DONATE:
         raise ValueError(
             f"ox.filter_jit(donate={donate!r}): expected one of "

@@ -57,6 +57,7 @@ def offload_optimizer(
     wrapper = OffloadedState if memory == "pinned_host" else DeviceState
 
     def init_fn(params):
+        from ._mesh import resolve_mesh
         from ._place import planned_shardings  # late import: _place imports the plan
 
         params = eqx.filter(params, eqx.is_array)
@@ -70,7 +71,9 @@ def offload_optimizer(
         # matters: an array that only `out_shardings` puts in host memory keeps a
         # device type, and later traces would treat it as device memory.
         abstract = eqx.filter_eval_shape(init_on_device, params)
-        shardings = planned_shardings(abstract, name="opt_state")
+        # The state goes on the parameters' mesh, each leaf sharded like its parameter.
+        mesh = resolve_mesh([("params", params)])
+        shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
 
         def init_placed(params):
             return jax.tree_util.tree_map(

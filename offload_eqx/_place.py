@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 
 from ._context import type_matches
+from ._mesh import put
 from ._plan import Plan
 from ._strategy import Strategy, resolve_strategy
 
@@ -57,7 +58,7 @@ def place(
             return leaf
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding and type_matches(leaf):
             return leaf
-        moved = jax.device_put(leaf, sharding)
+        moved = put(leaf, sharding)  # also onto a mesh spanning several processes
         if not type_matches(moved):
             # device_put returns an array already in place unchanged, even when its type
             # disagrees with its memory kind; retype it with an explicit move.

@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax import checkpoint_policies
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from ._activations import Activations, Policy
 from ._placement import Memory, Placement, Role, field_placement
@@ -123,7 +123,10 @@ class Plan:
         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     ):
         self.strategy = strategy
-        self.mesh = mesh
+        from ._mesh import resolve_mesh  # late import: _mesh imports the plan
+
+        # The mesh is given once; later calls find it on the arrays placed over it.
+        self.mesh = resolve_mesh(roots, mesh)
         placements: dict[str, Placement | None] = {}
         declared: list[tuple[str, Policy, str]] = []
         for root, tree in roots:
@@ -178,11 +181,15 @@ class Plan:
 
     def sharding(self, leaf_plan: LeafPlan, current: jax.sharding.Sharding | None):
         """The sharding a leaf should have: its current one with the planned memory kind,
-        or a `NamedSharding` over the plan's mesh when the leaf has a spec."""
+        or, when the plan has a mesh, a `NamedSharding` over it (see `_mesh.mesh_sharding`).
+        A spec without a mesh is an error."""
+        from ._mesh import mesh_sharding, no_mesh_error
+
         memory = leaf_plan.memory
-        if self.mesh is not None and (leaf_plan.spec is not None or current is None):
-            spec = leaf_plan.spec if leaf_plan.spec is not None else PartitionSpec()
-            return NamedSharding(self.mesh, spec, memory_kind=memory or "device")
+        if self.mesh is not None:
+            return mesh_sharding(self.mesh, leaf_plan, current)
+        if leaf_plan.spec is not None:
+            raise no_mesh_error(leaf_plan)
         if current is None:
             device = jax.devices()[0]
             return jax.sharding.SingleDeviceSharding(device, memory_kind=memory or "device")
@@ -202,13 +209,6 @@ class Plan:
                 "declared with `ox.field(...)` or `ox.annotate(...)`, so it would offload "
                 "nothing. Mark the fields that may live in host memory, e.g. "
                 "`w: jax.Array = ox.field(memory='device')`."
-            )
-        if strategy.name == "offload_optimizer" and "optimizer" not in roles:
-            raise ValueError(
-                "Strategy 'offload_optimizer' found no optimizer state of "
-                "`ox.offload_optimizer(...)` among the arguments, so it would offload "
-                "nothing. Wrap the optax transformation: "
-                "`opt = ox.offload_optimizer(optax.adam(1e-3))`."
             )
         if strategy.activations == "offload" and not self.declared_activations:
             raise ValueError(

@@ -1,9 +1,9 @@
 import os
 
 # Before jax is imported anywhere: choose the platform (the CUDA plugin, when installed
-# for deviceless compiles, otherwise probes for a driver) and use strict promotion.
+# for deviceless compiles, otherwise probes for a driver). Strict dtype promotion is not
+# switched on: optax's own Adam mixes Python floats with its int32 step count.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
 
 
 def pytest_configure(config):

@@ -1,0 +1,183 @@
+"""Models shared by the tests: each is written once, with offload_eqx annotations, and
+run under every strategy."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float
+
+import offload_eqx as ox
+
+# -- 1. The seed workload: a scanned stack of two matmuls, activation "x" named. -------
+
+
+class Layer(eqx.Module):
+    w1: Float[Array, "256 1024"] | Float[Array, "..."] = ox.field(memory="pinned_host")
+    w2: Float[Array, "..."] = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        x = ox.name(x, "x")
+        return jnp.tanh(x @ self.w1) @ self.w2
+
+
+class ScannedModel(eqx.Module):
+    layers: Layer
+    activations: ox.Activations = ox.activations(x="offload")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def scanned_model(key, depth=3, width=16, hidden=32) -> ScannedModel:
+    k1, k2 = jax.random.split(key)
+    w1 = jax.random.normal(k1, (depth, width, hidden)) / np.sqrt(width)
+    w2 = jax.random.normal(k2, (depth, hidden, width)) / np.sqrt(hidden)
+    return ScannedModel(layers=Layer(w1=w1, w2=w2))
+
+
+# -- 2. A Python loop of `ox.checkpoint`ed blocks. --------------------------------------
+
+
+class Block(eqx.Module):
+    weight: jax.Array = ox.field(memory="pinned_host")
+    bias: jax.Array = ox.field(memory="device")
+    activations: ox.Activations = ox.activations(h="save")
+
+    def __call__(self, x):
+        h = ox.name(x @ self.weight + self.bias, "h")
+        return x + jax.nn.gelu(h)
+
+
+class LoopModel(eqx.Module):
+    blocks: list[Block]
+    head: jax.Array  # not managed: stays on the device under every strategy
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = ox.checkpoint(block, x)
+        return x @ self.head
+
+
+def loop_model(key, depth=3, width=16) -> LoopModel:
+    keys = jax.random.split(key, depth + 1)
+    blocks = [
+        Block(
+            weight=jax.random.normal(k, (width, width)) / np.sqrt(width),
+            bias=jnp.full((width,), 0.1),
+        )
+        for k in keys[:-1]
+    ]
+    return LoopModel(blocks=blocks, head=jax.random.normal(keys[-1], (width, 4)))
+
+
+# -- 3. An attention block naming q, k, v. ----------------------------------------------
+
+
+class Attention(eqx.Module):
+    wq: jax.Array = ox.field(memory="pinned_host")
+    wk: jax.Array = ox.field(memory="pinned_host")
+    wv: jax.Array = ox.field(memory="pinned_host")
+    wo: jax.Array = ox.field(memory="device")
+    heads: int = eqx.field(static=True)
+
+    def __call__(self, x):
+        seq, width = x.shape
+        split = lambda t: t.reshape(seq, self.heads, width // self.heads)  # noqa: E731
+        q = split(ox.name(x @ self.wq, "q"))
+        k = split(ox.name(x @ self.wk, "k"))
+        v = split(ox.name(x @ self.wv, "v"))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(width // self.heads)
+        mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(mask, scores, -1e9)
+        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        return x + out.reshape(seq, width) @ self.wo
+
+
+class AttentionModel(eqx.Module):
+    layers: Attention
+    activations: ox.Activations = ox.activations(q="offload", k="offload", v="remat")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def attention_model(key, depth=2, width=16, heads=2) -> AttentionModel:
+    def make(k):
+        ks = jax.random.split(k, 4)
+        w = [jax.random.normal(ki, (width, width)) / np.sqrt(width) for ki in ks]
+        return Attention(wq=w[0], wk=w[1], wv=w[2], wo=w[3], heads=heads)
+
+    return AttentionModel(layers=eqx.filter_vmap(make)(jax.random.split(key, depth)))
+
+
+# -- 4. eqx.nn layers that we cannot edit, annotated from outside. ----------------------
+
+
+class Hidden(eqx.Module):
+    """Glue written by the user around a layer it cannot edit: names the layer's output."""
+
+    layer: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.nn.relu(ox.name(self.layer(x), "hidden"))
+
+
+class NNModel(eqx.Module):
+    mlp: eqx.nn.MLP
+    norm: eqx.nn.LayerNorm
+
+    def __call__(self, x):
+        def row(x):
+            x = self.norm(x)
+            for layer in self.mlp.layers[:-1]:
+                x = ox.checkpoint(Hidden(layer), x)
+            return self.mlp.layers[-1](x)
+
+        return jax.vmap(row)(x)
+
+
+def nn_model(key, width=16) -> NNModel:
+    mlp = eqx.nn.MLP(width, 4, width_size=32, depth=3, key=key)
+    model = NNModel(mlp=mlp, norm=eqx.nn.LayerNorm(width))
+    model = ox.annotate(model, lambda m: m.mlp.layers[:-1], memory="pinned_host")
+    model = ox.annotate(model, lambda m: m, activations={"hidden": "offload"})
+    return model
+
+
+# -- The training step shared by every model. ------------------------------------------
+
+MODELS: dict[str, Callable[[Any], eqx.Module]] = {
+    "scanned": scanned_model,
+    "loop": loop_model,
+    "attention": attention_model,
+    "eqx_nn": nn_model,
+}
+INPUT_SHAPES = {"scanned": (8, 16), "loop": (8, 16), "attention": (8, 16), "eqx_nn": (8, 16)}
+
+
+def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def make_optimizer() -> optax.GradientTransformation:
+    return ox.offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+
+
+def make_step(opt, strategy, **jit_kwargs):
+    @ox.filter_jit(strategy=strategy, **jit_kwargs)
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return ox.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def to_numpy(tree):
+    """Host numpy copies of every array leaf (for comparisons)."""
+    return jax.tree_util.tree_map(np.asarray, eqx.filter(tree, eqx.is_array))
