@@ -172,3 +172,132 @@ def optimizer_programs(dim: int) -> dict[str, tuple]:
             },
         ),
     }
+
+
+# -- shared runner: compile every program on every target, print, write JSON and a plot ------
+
+TARGETS = ("h100", "tpu-v5p", "cpu")
+
+
+def transfer_totals(fn, args) -> dict[str, int] | None:
+    """Bytes moved per step by the audit (`offload_eqx._audit.audit`), or None without it."""
+    try:
+        from offload_eqx._audit import audit
+    except ImportError:
+        return None
+    report = audit(fn, *args)
+    return {"h2d": report.total("host-to-device"), "d2h": report.total("device-to-host")}
+
+
+def _fmt(n, unit: int) -> str:
+    return "-" if n is None else f"{n / unit:.2f}"
+
+
+def run_workload(
+    workload: str,
+    pairs: Any,
+    bounds: Any,
+    targets: tuple[str, ...],
+    unit: int,
+    results_dir: str,
+    ox_targets: dict[str, tuple[str, ...]] | None = None,
+) -> dict:
+    """Compile each `(tutorial program, offload_eqx program)` pair on each target.
+
+    `pairs[name] = ((fn, args, options) | None, (ox_fn, ox_args))`; `bounds[name]` is the
+    analytic lower bound of the device total. Either may be a function of the target name
+    (a workload compiled at another size on the CPU). Returns the results (also in JSON).
+    """
+    import json
+    import os
+
+    from offload_eqx._memory import memory_report
+
+    unit_name = "MiB" if unit == MiB else "GiB"
+    rows = []
+    transfers = {}
+    for target in targets:
+        target_pairs = pairs(target) if callable(pairs) else pairs
+        target_bounds = bounds(target) if callable(bounds) else bounds
+        for name, (tutorial, ours) in target_pairs.items():
+            if ox_targets is not None and target not in ox_targets.get(name, targets):
+                continue
+            row = {"workload": workload, "program": name, "target": target}
+            published = PUBLISHED[workload].get(name) if target == "h100" else None
+            row["published_total"] = published["total"] if published else None
+            if tutorial is not None:
+                fn, args, options = tutorial
+                row["tutorial"] = memory_report(fn, *args, target=target, name=name, **options).as_dict()
+            else:
+                row["tutorial"] = None
+            ox_fn, ox_args = ours
+            row["offload_eqx"] = memory_report(ox_fn, *ox_args, target=target, name=name).as_dict()
+            row["bound"] = target_bounds.get(name)
+            row["transfers"] = transfers[(target, name)] = transfer_totals(ox_fn, ox_args)
+            rows.append(row)
+    have_audit = any(t is not None for t in transfers.values())
+    header = [
+        "program", "target", "published", "tutorial temp", "tutorial total", "ox temp",
+        "ox argument", "ox host arg+temp", "ox total", "bound", "ox <= tutorial",
+    ]
+    if have_audit:
+        header += ["h2d / step", "d2h / step"]
+    table = []
+    for row in rows:
+        tut, ox = row["tutorial"], row["offload_eqx"]
+        line = [
+            row["program"], row["target"], _fmt(row["published_total"], unit),
+            _fmt(tut and tut["device"]["temp"], unit), _fmt(tut and tut["total"], unit),
+            _fmt(ox["device"]["temp"], unit), _fmt(ox["device"]["argument"], unit),
+            _fmt(ox["host"]["argument"] + ox["host"]["temp"], unit), _fmt(ox["total"], unit),
+            _fmt(row["bound"], unit),
+            "-" if tut is None else ("yes" if ox["total"] <= tut["total"] else "NO"),
+        ]
+        if have_audit:
+            t = row["transfers"]
+            line += [_fmt(t and t["h2d"], unit), _fmt(t and t["d2h"], unit)]
+        table.append(line)
+    widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]
+    text = [f"{workload} offloading, device memory in {unit_name} (total = temp + argument + "
+            "output - alias; published = the tutorial's GPU printout)"]
+    text.append(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    text.append("-+-".join("-" * w for w in widths))
+    text += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
+    print("\n".join(text))
+    os.makedirs(results_dir, exist_ok=True)
+    result = {"workload": workload, "unit": unit_name, "rows": rows, "table": text}
+    with open(os.path.join(results_dir, f"{workload}_offloading.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    _plot(workload, rows, unit, unit_name, os.path.join(results_dir, f"{workload}_offloading.png"))
+    return result
+
+
+def _plot(workload, rows, unit, unit_name, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r["target"] for r in rows))
+    fig, axes = plt.subplots(1, len(targets), figsize=(5 * len(targets), 4), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        mine = [r for r in rows if r["target"] == target]
+        labels = [r["program"] for r in mine]
+        xs = range(len(mine))
+        tut = [(r["tutorial"]["total"] / unit) if r["tutorial"] else 0 for r in mine]
+        ox = [r["offload_eqx"]["total"] / unit for r in mine]
+        ax.bar([x - 0.2 for x in xs], tut, 0.4, label="tutorial code")
+        ax.bar([x + 0.2 for x in xs], ox, 0.4, label="offload_eqx")
+        for x, r in zip(xs, mine):
+            if r["bound"] is not None:
+                ax.hlines(r["bound"] / unit, x - 0.4, x + 0.4, colors="k", linestyles="dashed")
+            if r["published_total"] is not None:
+                ax.plot([x - 0.2], [r["published_total"] / unit], "r*")
+        ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=7)
+        ax.set_title(target)
+        ax.set_ylabel(f"device total ({unit_name})")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{workload} offloading (dashed: lower bound, star: published)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -32,7 +32,7 @@ class Activations:
 
     __slots__ = ("_items",)
 
-    def __init__(self, **policies: Policy):
+    def __init__(self, **policies: str):
         for name, policy in policies.items():
             check_policy(name, policy, where="ox.Activations")
         object.__setattr__(self, "_items", tuple(sorted(policies.items())))
@@ -54,7 +54,7 @@ class Activations:
         return f"Activations({inner})"
 
 
-def activations(**policies: Policy) -> Any:
+def activations(**policies: str) -> Any:
     """Declare a module's activation policies as a static field:
 
     ```python
@@ -71,6 +71,7 @@ class _TraceRecord:
 
     inside_regions: set[str] = dataclasses.field(default_factory=set)
     outside_regions: set[str] = dataclasses.field(default_factory=set)
+    regions: int = 0
 
 
 _RECORD: contextvars.ContextVar[_TraceRecord | None] = contextvars.ContextVar(
@@ -93,6 +94,9 @@ def recording() -> Iterator[_TraceRecord]:
 
 @contextlib.contextmanager
 def in_region() -> Iterator[None]:
+    record = _RECORD.get()
+    if record is not None:
+        record.regions += 1
     token = _REGION_DEPTH.set(_REGION_DEPTH.get() + 1)
     try:
         yield

@@ -85,9 +85,9 @@ def annotate(
     tree: Any,
     where: Callable[[Any], Any],
     *,
-    memory: Memory | None = None,
+    memory: str | None = None,
     spec: PartitionSpec | None = None,
-    activations: "Activations | dict[str, Policy] | None" = None,
+    activations: Activations | dict[str, str] | None = None,
 ) -> Any:
     """Declare placements and activation policies on modules you cannot edit.
 

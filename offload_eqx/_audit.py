@@ -341,6 +341,7 @@ class _Walker:
         self.transfers: list[Transfer] = []
         self.violations: list[Violation] = []
         self.names_seen: set[str] = set()
+        self.saw_backward = False
         self._seen_violations: set[tuple[str, str]] = set()
 
     def violate(self, rule: str, path: str, message: str) -> None:
@@ -356,7 +357,7 @@ class _Walker:
             stack = str(eqn.source_info.name_stack)
             if phase == "backward" or "transpose(" in stack:
                 eqn_phase = "backward"
-                seen_backward = True
+                seen_backward = self.saw_backward = True
             elif "jvp(" in stack:
                 eqn_phase = "forward"
             elif seen_backward:
@@ -372,11 +373,11 @@ class _Walker:
             elif prim == "name":
                 self.names_seen.add(eqn.params["name"])
                 env[eqn.outvars[0]] = _Origin("activation", eqn.params["name"])
-            elif prim in _VIEWS and len(eqn.invars) == 1 and eqn.invars[0] in env:
+            elif prim in _VIEWS and len(eqn.invars) == 1 and _is_var(eqn.invars[0]) and eqn.invars[0] in env:
                 if not eqn_host_ok and _is_host(eqn.invars[0].aval) and prim not in _STRUCTURAL:
                     self._host_arithmetic(eqn, env, where)
                 env[eqn.outvars[0]] = env[eqn.invars[0]]
-            elif prim in _STRUCTURAL or jex.core.jaxprs_in_params(eqn.params):
+            elif prim in _STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
             elif not eqn_host_ok:
                 if any(_is_var(v) and _is_host(v.aval) for v in eqn.invars):
@@ -510,7 +511,7 @@ class _Walker:
             self._enter(body, invars[n_cond:], outvars, env, count, phase,
                         where + ("while (trip count unknown, counted once)",), host_ok)
         else:
-            subs = jex.core.jaxprs_in_params(params)
+            subs = list(jex.core.jaxprs_in_params(params))
             label = {"remat2": "remat", "checkpoint": "remat"}.get(prim, prim)
             for sub in subs:
                 sub = _open(sub)
@@ -528,3 +529,264 @@ class _Walker:
             for outer, var in zip(outvars, body.outvars):
                 if _is_var(var) and var in inner and not _is_drop(outer):
                     env[outer] = inner[var]
+
+
+# -- the entry point -------------------------------------------------------------------
+
+_ROLE_KIND = {"param": "parameter", "optimizer": "optimizer"}
+_HOST_USE = (
+    "ox.audit({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
+    "that mixes memory spaces (`{error}`): either {it} is used outside any "
+    "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
+    "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
+    "gradient clipping or the optimizer. Call the module that uses {it} through "
+    "`ox.scan(...)`/`ox.checkpoint(...)`, wrap the optimizer with "
+    "`ox.offload_optimizer(...)` (which fetches gradients explicitly), or place {it} on "
+    "the device (`ox.field(memory='device')`)."
+)
+_WRONG_MEMORY = (
+    "Output `{out}` is returned in {got!r} memory, but it is the new value of `{path}`, "
+    "which the plan puts in {want!r}: every next call would move it back (implicitly, "
+    "{size}). Return it in {want!r}: update host-resident parameters with "
+    "`ox.apply_updates`, or send it back with `jax.device_put(x, jax.memory.Space.{space})`."
+)
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _split_output(path: str) -> tuple[str, str]:
+    rest = path[len("output"):]
+    if rest.startswith("["):
+        end = rest.index("]") + 1
+        return "output" + rest[:end], rest[end:]
+    return "output", rest
+
+
+def _match_outputs(entry: Compilation, roots: Sequence[str]) -> list[Any]:
+    """For each array output, the argument leaf it is the new value of (or None): an
+    output subtree matches an argument whose leaves have the same paths and types."""
+    out_paths = entry.output_paths()
+    groups: dict[str, dict[str, int]] = {}
+    for i, path in enumerate(out_paths):
+        group, suffix = _split_output(path)
+        groups.setdefault(group, {})[suffix] = i
+    inputs: dict[str, dict[str, Any]] = {}
+    for leaf in entry.plan.leaves:
+        root = next((r for r in roots if leaf.path == r or leaf.path.startswith(r + ".")
+                     or leaf.path.startswith(r + "[")), None)
+        if root is not None:
+            inputs.setdefault(root, {})[leaf.path[len(root):]] = leaf
+    matched: list[Any] = [None] * len(out_paths)
+    used: set[str] = set()
+    for group, members in groups.items():
+        for root, leaves in inputs.items():
+            if root in used or set(leaves) != set(members):
+                continue
+            if all(
+                tuple(entry.out_avals[i].shape) == leaves[s].shape
+                and np.dtype(entry.out_avals[i].dtype) == leaves[s].dtype
+                for s, i in members.items()
+            ):
+                used.add(root)
+                for suffix, i in members.items():
+                    matched[i] = leaves[suffix]
+                break
+    return matched
+
+
+def _as_device(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding.with_memory_kind("device"))
+
+
+def _mixes_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "memory_space of all inputs" in text or "host-resident array was used outside" in text
+
+
+def _locate_host_use(wrapper: _JitWrapper, args, kwargs, error: BaseException) -> ContractError:
+    """Which host-resident leaves make the trace mix memory spaces: retrace with every
+    other host-resident leaf typed as device memory (only on this error path)."""
+    plan = wrapper.plan(*args, **kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    mask = tuple(map(_is_dynamic, leaves))
+    statics = tuple(x for x, m in zip(leaves, mask) if not m)
+    dynamic = [x for x, m in zip(leaves, mask) if m]
+    in_shardings = tuple(
+        None if lp.memory is None else plan.sharding(lp, getattr(x, "sharding", None))
+        for x, lp in zip(dynamic, plan.leaves)
+    )
+    flat = wrapper._make_flat(plan, treedef, mask, statics, [])
+    entry = Compilation(None, flat, plan, in_shardings, (), (), (), [])
+    abstract = entry.abstract(dynamic)
+    host = {
+        i for i, a in enumerate(abstract)
+        if a.sharding is not None and a.sharding.memory_kind == "pinned_host"
+    }
+    offenders = []
+    for i in sorted(host):
+        trial = [_as_device(a) if j in host and j != i else a for j, a in enumerate(abstract)]
+        try:
+            jax.make_jaxpr(flat)(*trial)
+        except ValueError as e:
+            if _mixes_memory(e):
+                offenders.append(plan.leaves[i].path)
+        except Exception:
+            pass
+    text = str(error)
+    start = text.find("memory_space of all inputs")
+    jax_error = text[start: text.find("same", start) + 4] if start >= 0 else text.split("\n")[0]
+    paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
+    one = len(offenders) <= 1
+    message = _HOST_USE.format(
+        name=wrapper.__name__, paths=paths, are="is" if one else "are", error=jax_error,
+        it="it" if one else "them", its="its" if one else "their",
+    )
+    violations = [Violation("host leaf outside region", p, message) for p in offenders]
+    return ContractError(message, violations)
+
+
+def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
+    """Every transfer of one call of `fn(*args, **kwargs)`, found on the traced program.
+
+    **Arguments:**
+
+    - `fn`: an `ox.filter_jit` function (its strategy, mesh and plan are used), or any
+        callable, which is wrapped with `ox.filter_jit`.
+    - `*args`, `**kwargs`: the call's arguments: arrays or `jax.ShapeDtypeStruct`s. Nothing
+        is run and nothing is compiled, so any backend works.
+
+    **Returns:** a `TransferReport`: each transfer's direction, what it belongs to (a
+    parameter or optimizer-state leaf path, an activation name, a gradient, an output),
+    shape, dtype, bytes per call (times the trip count of every enclosing scan; a cond
+    counts its largest branch) and phase (`forward`, `backward`, `update`, or `call` for
+    an argument copied before the program runs). `print(report)` shows a table;
+    `report.to_json()`, `report.assert_only(...)`, `report.assert_no_implicit()`.
+
+    **Raises:** `ContractError` (a `ValueError`) naming each leaf path that breaks the
+    placement contract: a host-resident leaf fetched outside a region or used unfetched,
+    arithmetic on host-typed values outside `ox.host_compute()`, host-typed gradients
+    reaching the optimizer, an activation not saved/offloaded/recomputed as declared, an
+    output returned in another memory than its argument's plan, an argument on another
+    device. The report is attached as `error.report` when the program could be traced.
+    """
+    wrapper = fn if isinstance(fn, _JitWrapper) else filter_jit(fn)
+    name = getattr(wrapper, "__name__", "fn")
+    try:
+        entry, leaves = wrapper.compilation(*args, **kwargs)
+    except ValueError as error:
+        if not _mixes_memory(error):
+            raise
+        raise _locate_host_use(wrapper, args, kwargs, error) from None
+    roots = [root for root, _ in _labels(wrapper.fn, args, kwargs)]
+    plan: Plan = entry.plan
+    closed = jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
+    jaxpr = _dce(closed.jaxpr)
+
+    matched = _match_outputs(entry, roots)
+    out_paths = entry.output_paths()
+    outputs: dict[Any, tuple[str, str]] = {}
+    for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
+        if _is_var(var):
+            outputs[var] = (
+                (_ROLE_KIND.get(leaf.role, "input"), leaf.path) if leaf is not None else ("output", path)
+            )
+    walker = _Walker(outputs)
+    env = {
+        var: _Origin(_ROLE_KIND.get(leaf.role, "input"), leaf.path)
+        for var, leaf in zip(jaxpr.invars, plan.leaves)
+    }
+    walker.walk(jaxpr, env, 1, "forward", (), False, top=True)
+    transfers = _argument_transfers(entry, leaves) + walker.transfers
+
+    # Outputs land in the memory their argument is planned in.
+    for path, leaf, memory, aval in zip(out_paths, matched, entry.out_memories, entry.out_avals):
+        if leaf is not None and leaf.memory is not None and memory != leaf.memory:
+            walker.violate(
+                "output memory",
+                path,
+                _WRONG_MEMORY.format(
+                    out=path, got=memory, path=leaf.path, want=leaf.memory,
+                    size=_mib(_nbytes(aval)),
+                    space="Host" if leaf.memory == "pinned_host" else "Device",
+                ),
+            )
+    _check_activations(plan, walker, transfers)
+    _check_devices(args, kwargs, wrapper, walker)
+    report = TransferReport(name, plan.strategy.name, transfers, walker.violations)
+    return report.check()
+
+
+def _argument_transfers(entry: Compilation, leaves: list) -> list[Transfer]:
+    """Copies made before the program runs, on every call: NumPy arguments uploaded,
+    arrays not in the memory the plan puts them in (moved by `ox.filter_jit`)."""
+    found = []
+    for leaf, leaf_plan, sharding in zip(leaves, entry.plan.leaves, entry.in_shardings):
+        kind = _ROLE_KIND.get(leaf_plan.role, "input")
+        direction = None
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            direction = "host-to-device"
+        elif isinstance(leaf, jax.Array) and sharding is not None:
+            if leaf.sharding.memory_kind != sharding.memory_kind:
+                direction = "device-to-host" if sharding.memory_kind == "pinned_host" else "host-to-device"
+        if direction is not None:
+            found.append(
+                Transfer(
+                    direction=direction, kind=kind, what=leaf_plan.path,
+                    shape=leaf_plan.shape, dtype=str(leaf_plan.dtype), count=1,
+                    bytes=leaf_plan.nbytes, phase="call", where="argument", implicit=True,
+                )
+            )
+    return found
+
+
+def _check_activations(plan: Plan, walker: _Walker, transfers: list[Transfer]) -> None:
+    differentiated = any(t.phase == "backward" for t in transfers) or walker.saw_backward
+    for name, policy in plan.activations.items():
+        declared, module_path = plan.declared_activations[name]
+        moved = [t for t in transfers if t.kind == "activation" and t.what == name]
+        if name not in walker.names_seen:
+            walker.violate(
+                "activation never produced",
+                name,
+                f"Activation {name!r} is declared {declared!r} by `{module_path}`, but the "
+                "program never produces it. Call `ox.name(x, "
+                f"{name!r})` where it is computed, or remove the declaration.",
+            )
+        elif policy == "offload" and differentiated:
+            down = [t for t in moved if t.direction == "device-to-host" and t.phase == "forward"]
+            up = [t for t in moved if t.direction == "host-to-device" and t.phase == "backward"]
+            if not down or not up:
+                walker.violate(
+                    "activation not offloaded",
+                    name,
+                    f"Activation {name!r} is declared 'offload' by `{module_path}`, but the "
+                    "program does not move it to host in the forward pass and back in the "
+                    "backward pass. Produce it inside an `ox.scan`/`ox.checkpoint` region "
+                    "(only there does the remat policy apply).",
+                )
+        elif policy != "offload" and moved:
+            walker.violate(
+                "activation moved",
+                name,
+                f"Activation {name!r} is declared {policy!r} (effective policy) by "
+                f"`{module_path}`, but the program moves it between memories "
+                f"({_mib(sum(t.bytes for t in moved))} per call): a remat policy other "
+                "than the plan's applies to it. Use the regions `ox.scan`/`ox.checkpoint`.",
+            )
+
+
+def _check_devices(args, kwargs, wrapper: _JitWrapper, walker: _Walker) -> None:
+    from ._guard import device_offenders
+
+    offenders, majority = device_offenders(_labels(wrapper.fn, args, kwargs))
+    for path, leaf in offenders:
+        devices = ", ".join(str(d) for d in leaf.sharding.device_set)
+        walker.violate(
+            "argument on another device",
+            path,
+            f"Argument `{path}` is on {devices}, while the other arguments are on "
+            f"{', '.join(map(str, majority))}: jit would copy it on every call (or refuse "
+            "to run). Move it once, outside the step: `jax.device_put(x, device)`.",
+        )

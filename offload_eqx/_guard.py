@@ -172,6 +172,10 @@ def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -
     message = str(error)
     if "Disallowed host-to-device transfer" in message:
         offenders = upload_offenders(arguments or [])
+        numpy_offenders = [o for o in offenders if "NumPy" in o or "numpy" in o]
+        if numpy_offenders:
+            # `ox.filter_jit` keeps Python scalars static (not uploaded): blame NumPy first.
+            offenders = numpy_offenders
         if offenders:
             fixes = []
             if any("numpy" in o.lower() for o in offenders):

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._activations import recording
 from ._context import type_matches, using_plan
-from ._mesh import check_mesh, output_sharding
+from ._mesh import check_mesh, output_sharding, output_shardings
 from ._plan import Plan, format_path
 from ._strategy import Strategy, resolve_strategy
 
@@ -225,7 +225,7 @@ class _JitWrapper:
                     raise ValueError(
                         _HOST_OUTSIDE_REGION.format(error=str(e).split("\n")[0], paths=paths or "none")
                     ) from None
-            plan.check_trace(record.inside_regions, record.outside_regions)
+            plan.check_trace(record.inside_regions, record.outside_regions, record.regions)
             out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
             out_mask = tuple(map(_is_dynamic, out_leaves))
             entry_cell[:] = [
@@ -263,7 +263,12 @@ class _JitWrapper:
         traced = jax.jit(flat).trace(*entry.abstract(dynamic))
         entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
-        entry.out_shardings = tuple(_out_sharding(aval, device, plan.mesh) for aval in entry.out_avals)
+        if plan.mesh is None:
+            entry.out_shardings = tuple(_out_sharding(aval, device, None) for aval in entry.out_avals)
+        else:  # outputs shaped like an argument keep its shardings (see _mesh)
+            entry.out_shardings = output_shardings(
+                plan.mesh, (args, kwargs), in_shardings, _is_dynamic, cell, entry.out_avals
+            )
         entry.donate_argnums = self._donated(plan, args, dynamic, entry.out_avals)
         entry.jitted = jax.jit(
             flat,
@@ -345,7 +350,7 @@ def filter_jit(
     fn: Callable | None = None,
     *,
     strategy: "str | Strategy | None" = None,
-    donate: Donate = "none",
+    donate: str = "none",
     mesh: jax.sharding.Mesh | None = None,
     audit: bool = False,
 ) -> Any:

@@ -10,7 +10,7 @@ program and the outputs keep the shardings it chose; under `Explicit` axes the s
 is part of each traced type, so the outputs get exactly the shardings of their types.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -71,7 +71,9 @@ def check_mesh(mesh: object, *, where: str) -> None:
 def _mesh_of_leaf(leaf: Any) -> Mesh | None:
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        if sharding.mesh.size > 1:
+        # `_jit._typed` wraps single-device shardings in a one-device mesh to type
+        # abstract arguments; that mesh is an implementation detail, not the user's.
+        if sharding.mesh.axis_names != ("_device",):
             return sharding.mesh
     return None
 
@@ -258,3 +260,68 @@ def shard(
         return put(leaf, NamedSharding(mesh, spec, memory_kind=memory))
 
     return jax.tree_util.tree_map(one, x)
+
+
+def output_shardings(
+    mesh: AnyMesh,
+    arguments: tuple[tuple, dict],
+    in_shardings: Sequence[Any],
+    is_dynamic: Callable[[Any], bool],
+    out_cell: list,
+    out_avals: Sequence[Any],
+) -> tuple[NamedSharding | None, ...]:
+    """The shardings of a program's outputs over `mesh`: an output that has the structure
+    of an argument (the updated model, the new optimizer state, updates shaped like the
+    parameters) keeps that argument's shardings, leaf by leaf.
+
+    Leaving them to the compiler is not enough: under `Auto` axes XLA may return a
+    replicated bias sharded, and the next step's planned input sharding would then not
+    match. Other outputs (the loss, metrics) get `output_sharding`.
+    """
+    args, kwargs = arguments
+    shardings = iter(in_shardings)
+    candidates = []
+    for arg in (*args, *(kwargs[key] for key in sorted(kwargs))):
+        leaves, treedef = jax.tree_util.tree_flatten(arg)
+        per_leaf: list[tuple | None] = []
+        for leaf in leaves:
+            if not is_dynamic(leaf):
+                per_leaf.append(None)
+                continue
+            sharding = next(shardings)
+            if sharding is None:
+                sharding = getattr(leaf, "sharding", None)
+            if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+                per_leaf.append((tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding.spec))
+            else:
+                per_leaf.append(None)
+        candidates.append((treedef, per_leaf))
+
+    out_treedef, _, out_mask = out_cell
+    placeholders = jax.tree_util.tree_unflatten(out_treedef, list(range(len(out_mask))))
+    matched: dict[int, tuple] = {}
+
+    def visit(subtree: Any) -> None:
+        indices, treedef = jax.tree_util.tree_flatten(subtree)
+        for candidate, per_leaf in candidates:
+            if treedef == candidate:
+                for index, info in zip(indices, per_leaf):
+                    if info is not None and out_mask[index]:
+                        matched.setdefault(index, info)
+                return
+        children = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)[0]
+        for child in children:
+            if child is not subtree:
+                visit(child)
+
+    visit(placeholders)
+    dynamic_indices = [i for i, dynamic in enumerate(out_mask) if dynamic]
+    result = []
+    for index, aval in zip(dynamic_indices, out_avals):
+        memory = "pinned_host" if aval.memory_space == jax.memory.Space.Host else "device"
+        info = matched.get(index)
+        if info is not None and info[:2] == (tuple(aval.shape), np.dtype(aval.dtype)):
+            result.append(NamedSharding(mesh, info[2], memory_kind=memory))
+        else:
+            result.append(output_sharding(aval, mesh, memory))
+    return tuple(result)

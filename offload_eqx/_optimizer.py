@@ -37,7 +37,7 @@ def _on_device(tree: Any) -> Any:
 
 
 def offload_optimizer(
-    inner: optax.GradientTransformation, *, memory: Memory = "pinned_host"
+    inner: optax.GradientTransformation, *, memory: str = "pinned_host"
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state lives in `memory` between steps.
 

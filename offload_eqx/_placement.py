@@ -25,7 +25,7 @@ class Placement:
         override placements by role.
     """
 
-    memory: Memory = "device"
+    memory: Memory = "device"  # validated in __post_init__ with a full message
     spec: PartitionSpec | None = None
     role: Role = "param"
 
@@ -50,7 +50,7 @@ def check_memory(memory: object, *, where: str) -> None:
 
 def field(
     *,
-    memory: Memory = "device",
+    memory: str = "device",
     spec: PartitionSpec | None = None,
     **kwargs: Any,
 ) -> Any:

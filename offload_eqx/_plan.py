@@ -29,6 +29,19 @@ _CONFLICTING_POLICIES = (
 )
 
 
+_NON_ARRAY_FIELD = (
+    "Field `{path}` is declared with `ox.field(memory={memory!r})` but holds {value!r} (a "
+    "{kind}), not an array: only arrays have a memory. Declare it with `eqx.field(...)` "
+    "(or `eqx.field(static=True)` for a hyperparameter), or store an array in it."
+)
+
+
+def _is_non_array_leaf(value: Any) -> bool:
+    if value is None or eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
+        return False
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
     """The plan for one array leaf."""
@@ -83,9 +96,19 @@ def _walk(
                     for name, policy in value.items():
                         declared_activations.append((name, policy, module_path))
                 continue
-            placement = field_placement(f) or inherited
-            if inherited is not None and inherited.role == "optimizer" and placement is not inherited:
-                placement = dataclasses.replace(placement, role="optimizer")
+            declared = field_placement(f)
+            if inherited is not None and inherited.role == "optimizer":
+                # Optimizer state mirrors the model (Adam's mu and nu are models): the
+                # model's own field declarations do not apply inside it.
+                declared = None
+            if declared is not None and _is_non_array_leaf(value):
+                raise ValueError(
+                    _NON_ARRAY_FIELD.format(
+                        path=f"{module_path}.{f.name}", value=value, kind=type(value).__name__,
+                        memory=declared.memory,
+                    )
+                )
+            placement = declared or inherited
             _walk(value, path + (jax.tree_util.GetAttrKey(f.name),), root, placement,
                   placements, declared_activations)
         return
@@ -217,8 +240,16 @@ class Plan:
                 "`ox.name(x, 'x')` and declare them with `ox.activations(x='offload')`."
             )
 
-    def check_trace(self, inside_regions: set[str], outside_regions: set[str]) -> None:
-        """After tracing: every declared name must have been produced inside a region."""
+    def check_trace(
+        self, inside_regions: set[str], outside_regions: set[str], regions: int
+    ) -> None:
+        """After tracing: every declared name must have been produced inside a region.
+
+        A program that enters no region and produces no declared name (applying
+        updates, an optimizer init) does not run the model, so it is not checked."""
+        produced = inside_regions | outside_regions
+        if regions == 0 and not produced & self.declared_activations.keys():
+            return
         for name, (policy, module_path) in self.declared_activations.items():
             effective = self.activations[name]
             if name in inside_regions:

@@ -1,0 +1,437 @@
+"""The static audit: exact transfers of the seed workload, and a catalog of contract breaches.
+
+Everything here traces on `jax.ShapeDtypeStruct`s (or small arrays) and runs nothing.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import checkpoint_policies
+from jaxtyping import Array, Float
+
+import offload_eqx as ox
+import offload_eqx._audit as audit_module
+from offload_eqx._audit import ContractError, TransferReport, audit
+
+MiB = 2**20
+S = jax.ShapeDtypeStruct
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+
+# -- the seed workload: 10 scanned layers, x 256x256, w1 10x256x1024, w2 10x1024x256 -------
+
+
+class Layer(eqx.Module):
+    w1: Float[Array, "layers 256 1024"] = ox.field(memory="pinned_host")
+    w2: Float[Array, "layers 1024 256"] = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        x = ox.name(x, "x")
+        return (x @ self.w1) @ self.w2
+
+
+class Model(eqx.Module):
+    layers: Layer
+    activations: ox.Activations = ox.activations(x="offload")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+SEED_MODEL = Model(Layer(S((10, 256, 1024), jnp.float32), S((10, 1024, 256), jnp.float32)))
+SEED_X = S((256, 256), jnp.float32)
+OPT = ox.offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+SEED_OPT_STATE = eqx.filter_eval_shape(OPT.init, SEED_MODEL)
+
+
+def seed_step(strategy: str):
+    @ox.filter_jit(strategy=strategy)
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        updates, opt_state = OPT.update(grads, opt_state, model)
+        return ox.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def seed_report(strategy: str) -> TransferReport:
+    return audit(seed_step(strategy), SEED_MODEL, SEED_OPT_STATE, SEED_X)
+
+
+def test_offload_activation_x_moves_exactly_2_5_mib_each_way():
+    # x is 256x256 float32 = 256 KiB per layer; the forward scan offloads it once per layer
+    # and the backward scan fetches it back once per layer: 10 x 256 KiB = 2.5 MiB each way.
+    report = seed_report("offload_activations")
+    report.assert_only(("d2h", "x", 2.5 * MiB, "forward"), ("h2d", "x", 2.5 * MiB, "backward"))
+    assert report.totals == {"device-to-host": 2.5 * MiB, "host-to-device": 2.5 * MiB}
+    assert all(t.kind == "activation" and t.count == 10 for t in report.transfers)
+    report.assert_no_implicit()
+
+
+def test_parameter_offload_matches_hand_computation():
+    # Strategy offload_params: w1, w2 in pinned_host, every other value in a region saved,
+    # except fetched weights (the policy never saves them). Per layer w1[i] and w2[i] are
+    # 256x1024 float32 = 1 MiB each, so one pass over the 10 layers fetches 20 MiB:
+    #   forward  H2D: fetch w1[i], w2[i] in each layer            10 x 2 MiB = 20 MiB
+    #   backward H2D: fetch them again inside the remat region    10 x 2 MiB = 20 MiB
+    #   backward D2H: the transpose of each fetch sends the layer's gradient to host
+    #                                                             10 x 2 MiB = 20 MiB
+    #   update   H2D: ox.offload_optimizer fetches the host-typed gradients   20 MiB
+    #   update   H2D + D2H: ox.apply_updates fetches each parameter, adds, sends it
+    #                 back                                       20 MiB + 20 MiB
+    # Total: 80 MiB host-to-device, 40 MiB device-to-host.
+    report = seed_report("offload_params")
+    report.assert_only(
+        ("h2d", "model.layers.w*", 20 * MiB, "forward"),
+        ("h2d", "model.layers.w*", 20 * MiB, "backward"),
+        ("d2h", "model.layers.w*", 20 * MiB, "backward"),
+        ("h2d", "model.layers.w*", 40 * MiB, "update"),
+        ("d2h", "model.layers.w*", 20 * MiB, "update"),
+    )
+    assert report.total("d2h", kind="gradient") == 20 * MiB
+    assert report.total("h2d", kind="gradient") == 20 * MiB
+    assert report.total("h2d", "model.layers.w1", kind="parameter") == 30 * MiB
+    assert report.totals == {"device-to-host": 40 * MiB, "host-to-device": 80 * MiB}
+
+
+def test_optimizer_offload_matches_hand_computation():
+    # Adam's mu and nu mirror the parameters: 2 x (10 MiB + 10 MiB) = 40 MiB in pinned_host
+    # (the int32 count stays on the device). Each update fetches all of it and writes all
+    # of it back: 40 MiB each way, nothing in the forward or backward pass.
+    report = seed_report("offload_optimizer")
+    report.assert_only(
+        ("h2d", "opt_state.inner[[]1[]][[]0[]].*u.layers.w*", 40 * MiB, "update"),
+        ("d2h", "opt_state.inner[[]1[]][[]0[]].*u.layers.w*", 40 * MiB, "update"),
+    )
+    assert {t.kind for t in report.transfers} == {"optimizer"}
+
+
+def test_hybrid_is_the_sum_of_its_parts():
+    report = seed_report("hybrid")
+    # activations 2.5 + parameters (40 as above) + optimizer 40 each way.
+    assert report.totals == {
+        "device-to-host": (2.5 + 20 + 20 + 40) * MiB,
+        "host-to-device": (2.5 + 20 + 20 + 20 + 20 + 40) * MiB,
+    }
+    assert report.total("d2h", "x", phase="forward") == 2.5 * MiB
+    assert report.total(kind="optimizer") == 80 * MiB
+    assert report.select("h2d", "opt_state.inner[[]1[]][[]0[]].mu.layers.w1")[0].shape == (10, 256, 1024)
+
+
+@pytest.mark.parametrize("strategy", list(ox.STRATEGIES))
+def test_no_false_alarm_on_any_strategy(strategy: str):
+    report = seed_report(strategy)
+    assert report.violations == []
+    report.assert_no_implicit()
+    if strategy in ("baseline", "remat"):
+        report.assert_only()
+
+
+def test_table_and_json():
+    report = seed_report("hybrid")
+    table = str(report)
+    assert "device-to-host  activation  x" in table
+    assert "total device-to-host: 82.50 MiB" in table
+    data = report.as_dict()
+    assert data["totals"]["host-to-device"] == 122.5 * MiB
+    assert {"direction", "kind", "what", "shape", "dtype", "count", "bytes", "phase"} <= set(
+        data["transfers"][0]
+    )
+    assert '"strategy": "hybrid"' in report.to_json()
+
+
+def test_assert_only_reports_what_differs():
+    report = seed_report("offload_activations")
+    with pytest.raises(AssertionError, match=r"expected device-to-host 'x' to move 1.00 MiB"):
+        report.assert_only(("d2h", "x", MiB), ("h2d", "x"))
+    with pytest.raises(AssertionError, match=r"unexpected transfer: host-to-device of activation `x`"):
+        report.assert_only(("d2h", "x"))
+    with pytest.raises(AssertionError, match=r"expected host-to-device 'model.\*', but no transfer"):
+        report.assert_only(("d2h", "x"), ("h2d", "x"), ("h2d", "model.*"))
+
+
+# -- control flow: scan trip counts multiply, a cond counts its largest branch -------------
+
+
+def test_nested_scans_multiply_and_cond_takes_the_largest_branch():
+    def inner(carry, _):
+        def offload(c):
+            return jax.device_put(jax.device_put(c, HOST), DEVICE)
+
+        def offload_twice(c):
+            return offload(offload(c))
+
+        return jax.lax.cond(carry[0] > 0, offload_twice, offload, carry), None
+
+    def f(x: Float[Array, "64"]) -> Float[Array, "64"]:
+        def outer(c, _):
+            return jax.lax.scan(inner, c, None, length=3)[0], None
+
+        return jax.lax.scan(outer, x, None, length=5)[0]
+
+    report = audit(f, S((64,), jnp.float32))
+    # 64 float32 = 256 B per move; 5 x 3 iterations; the larger branch moves it twice.
+    report.assert_only(("d2h", "*", 2 * 15 * 256), ("h2d", "*", 2 * 15 * 256))
+    assert {t.count for t in report.transfers} == {15}
+    assert report.transfers[0].where.startswith("scan[5] > scan[3] > cond branch 1")
+
+
+# -- catalog: contract breaches, each naming its path ----------------------------------------
+
+
+class Dense(eqx.Module):
+    w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w)
+
+
+class NamedDense(eqx.Module):
+    w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(ox.name(x * 2, "h") @ self.w)
+
+
+def dense(d: int = 8) -> Dense:
+    return Dense(S((d, d), jnp.float32))
+
+
+X = S((4, 8), jnp.float32)
+
+
+def grad_step(loss):
+    @ox.filter_jit
+    def step(model, x):
+        return eqx.filter_grad(loss)(model, x)
+
+    return step
+
+
+def test_host_leaf_used_outside_a_region_names_only_that_leaf():
+    class Two(eqx.Module):
+        first: Dense
+        second: Dense
+
+        def __call__(self, x):
+            h = x @ self.first.w  # outside any region
+            return ox.checkpoint(self.second, h)
+
+    step = grad_step(lambda m, x: jnp.sum(m(x)))
+    with pytest.raises(ContractError, match=r"`model\.first\.w` is host-resident") as info:
+        audit(step, Two(dense(), dense()), X)
+    assert "model.second.w" not in str(info.value)
+    assert [v.path for v in info.value.violations] == ["model.first.w"]
+
+
+def test_explicit_fetch_outside_a_region_is_a_residual():
+    def loss(model, x):
+        w = jax.device_put(model.w, DEVICE)  # fetched once, outside a region
+        return jnp.sum(jnp.tanh(x @ w) @ w)  # the backward pass needs w again
+
+    with pytest.raises(ContractError, match=r"`model\.w` is host-resident, but its device copy"):
+        audit(grad_step(loss), dense(), X)
+    # Inside a region the same model is clean: the copy is fetched again for the backward.
+    audit(grad_step(lambda m, x: jnp.sum(ox.checkpoint(m, x) ** 2)), dense(), X)
+
+
+def test_arithmetic_on_host_typed_values_unless_asked_for():
+    @ox.filter_jit
+    def decay(model):
+        return eqx.tree_at(lambda m: m.w, model, model.w * 0.5)
+
+    with pytest.raises(ContractError, match=r"`mul` computes on `model\.w` \(float32<host>\[8,8\]\)"):
+        audit(decay, dense())
+
+    @ox.filter_jit
+    def decay_on_host(model):
+        with ox.host_compute() if hasattr(ox, "host_compute") else audit_module.host_compute():
+            return eqx.tree_at(lambda m: m.w, model, model.w * 0.5)
+
+    assert audit(decay_on_host, dense()).transfers == []
+
+
+def test_host_typed_gradients_fed_to_clipping():
+    clip = optax.clip_by_global_norm(1.0)  # not wrapped in ox.offload_optimizer
+
+    @ox.filter_jit
+    def step(model, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(ox.checkpoint(m, x) ** 2))(model)
+        updates, _ = clip.update(grads, clip.init(grads))
+        return updates
+
+    # The trace fails where the host-typed norm meets a device value; the audit retraces to
+    # find which host-resident leaf is responsible.
+    with pytest.raises(ContractError, match=r"`model\.w` is host-resident.*its gradient") as info:
+        audit(step, dense(), X)
+    assert "ox.offload_optimizer" in str(info.value)
+    assert [v.path for v in info.value.violations] == ["model.w"]
+
+
+def test_host_typed_gradients_reduced_on_host():
+    @ox.filter_jit
+    def step(model, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(ox.checkpoint(m, x) ** 2))(model)
+        return jnp.sum(grads.w**2)  # a global norm computed on host-typed gradients
+
+    with pytest.raises(ContractError, match=r"gradient of `model\.w` is host-typed"):
+        audit(step, dense(), X)
+
+
+def test_unwrapped_optax_state_computes_on_host():
+    # A raw optax state mirrors the model, so it inherits `ox.field(memory="pinned_host")`:
+    # the whole Adam update would run on host-typed values.
+    adam = optax.adam(1e-3)
+
+    @ox.filter_jit
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(ox.checkpoint(m, x) ** 2))(model)
+        return adam.update(grads, state)
+
+    state = jax.eval_shape(adam.init, Dense(jnp.zeros((8, 8))))
+    with pytest.raises(ContractError, match=r"gradient of `model\.w` is host-typed") as info:
+        audit(step, dense(), state, X)
+    paths = [v.path for v in info.value.violations]
+    assert "state[0].mu.w" in paths and "state[0].nu.w" in paths
+
+
+def test_output_returned_in_the_wrong_memory_kind():
+    @ox.filter_jit
+    def step(model, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(ox.checkpoint(m, x) ** 2))(model)
+        w = jax.device_put(model.w, DEVICE) - 0.1 * jax.device_put(grads.w, DEVICE)
+        return eqx.tree_at(lambda m: m.w, model, w), x  # w left on the device
+
+    with pytest.raises(
+        ContractError, match=r"Output `output\[0\]\.w` is returned in 'device' memory, but it is "
+        r"the new value of `model\.w`, which the plan puts in 'pinned_host'"
+    ):
+        audit(step, dense(), X)
+
+
+def test_annotated_name_never_produced():
+    class Misspelled(eqx.Module):
+        inner: NamedDense
+        activations: ox.Activations = ox.activations(hh="offload")
+
+        def __call__(self, x):
+            return ox.checkpoint(self.inner, x)
+
+    step = grad_step(lambda m, x: jnp.sum(m(x)))
+    with pytest.raises(ValueError, match=r"Activation 'hh' is declared 'offload' by `model`"):
+        audit(step, Misspelled(NamedDense(S((8, 8), jnp.float32))), X)
+
+
+def test_name_both_saved_and_offloaded():
+    class A(eqx.Module):
+        d: Dense
+        activations: ox.Activations = ox.activations(h="save")
+
+    class B(eqx.Module):
+        d: Dense
+        activations: ox.Activations = ox.activations(h="offload")
+
+    class Both(eqx.Module):
+        a: A
+        b: B
+
+        def __call__(self, x):
+            return self.b.d(self.a.d(x))
+
+    with pytest.raises(
+        ValueError, match=r"'save' by `model\.a` and 'offload' by `model\.b`"
+    ):
+        audit(grad_step(lambda m, x: jnp.sum(m(x))), Both(A(dense()), B(dense())), X)
+
+
+def test_offload_declared_name_outside_a_region():
+    class Outside(eqx.Module):
+        inner: Dense
+        activations: ox.Activations = ox.activations(h="offload")
+
+        def __call__(self, x):
+            return ox.checkpoint(self.inner, ox.name(x * 2, "h"))
+
+    with pytest.raises(ValueError, match=r"Activation 'h' \(declared 'offload' by `model`\)"):
+        audit(grad_step(lambda m, x: jnp.sum(m(x))), Outside(dense()), X)
+
+
+def test_strategy_saves_but_a_hand_written_policy_offloads():
+    offload_h = checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+        offload_src="device", offload_dst="pinned_host",
+    )
+
+    class HandRemat(eqx.Module):
+        w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+        activations: ox.Activations = ox.activations(h="offload")
+
+        def __call__(self, x):
+            def body(x, w):
+                return jnp.sin(ox.name(x @ w, "h"))
+
+            return jnp.tanh(jax.checkpoint(body, policy=offload_h)(x, self.w) @ self.w)
+
+    # "baseline" keeps every activation on the device (effective policy 'save'), but the
+    # hand-written jax.checkpoint policy still offloads 'h'.
+    @ox.filter_jit(strategy="baseline")
+    def step(model, x):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+
+    with pytest.raises(
+        ContractError, match=r"Activation 'h' is declared 'save' \(effective policy\) by `model`.*moves it"
+    ):
+        audit(step, HandRemat(S((8, 8), jnp.float32)), X)
+
+
+def test_host_resident_leaf_scanned_over_axis_1():
+    class Stacked(eqx.Module):
+        layers: Dense
+
+        def __call__(self, x):
+            return ox.scan(self.layers, x, axis=1)
+
+    model = Stacked(Dense(S((8, 3, 8), jnp.float32)))
+    with pytest.raises(ValueError, match=r"`stacked\.w` is host-resident.*axis 0"):
+        audit(grad_step(lambda m, x: jnp.sum(m(x))), model, X)
+
+
+def test_array_whose_sharding_says_host_but_type_says_device():
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    mistyped = Dense(jax.jit(lambda: jnp.eye(8), out_shardings=host)())
+    with pytest.raises(ValueError, match=r"Argument `model\.w` is in 'pinned_host' memory but"):
+        audit(grad_step(lambda m, x: jnp.sum(ox.checkpoint(m, x))), mistyped, X)
+
+
+def test_numpy_argument_is_an_implicit_upload():
+    step = grad_step(lambda m, x: jnp.sum(ox.checkpoint(m, x)))
+    model = ox.place(Dense(jnp.eye(8)))
+    report = audit(step, model, np.ones((4, 8), np.float32))
+    assert [(t.what, t.phase, t.implicit) for t in report.implicit] == [("x", "call", True)]
+    with pytest.raises(AssertionError, match=r"host-to-device of input `x` \(float32\[4x8\]"):
+        report.assert_no_implicit()
+
+
+def test_argument_not_where_the_plan_puts_it_is_moved_every_call():
+    step = grad_step(lambda m, x: jnp.sum(ox.checkpoint(m, x)))
+    unplaced = Dense(jnp.eye(8))  # on the device, declared pinned_host
+    report = audit(step, unplaced, jnp.ones((4, 8)))
+    with pytest.raises(AssertionError, match=r"device-to-host of parameter `model\.w`"):
+        report.assert_no_implicit()
+    audit(step, ox.place(unplaced), jnp.ones((4, 8))).assert_no_implicit()
+
+
+def test_contract_error_carries_the_report():
+    @ox.filter_jit
+    def decay(model):
+        return eqx.tree_at(lambda m: m.w, model, model.w * 0.5)
+
+    with pytest.raises(ContractError) as info:
+        audit(decay, dense())
+    assert isinstance(info.value.report, TransferReport)
+    assert [v.rule for v in info.value.violations] == ["arithmetic on host"]
+    assert "violations (1)" in info.value.report.table()

@@ -1,0 +1,186 @@
+"""Bad input gets a clear error naming the path, the value, the allowed values and the fix;
+the user's model and optimizer state stay usable afterwards."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Layer, ScannedModel, make_optimizer, make_step, scanned_model
+
+import offload_eqx as ox
+
+
+def test_unknown_memory():
+    with pytest.raises(ValueError, match=r"memory 'gpu'; expected one of 'device', 'pinned_host'"):
+        ox.field(memory="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'hbm'.*'device', 'pinned_host'"):
+        ox.annotate(scanned_model(jax.random.key(0)), lambda m: m.layers, memory="hbm")  # type: ignore[arg-type]
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match=r"activation 'x' the policy 'keep'; expected one of 'save', 'offload', 'remat'"):
+        ox.activations(x="keep")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'q' the policy 'host'"):
+        ox.annotate(scanned_model(jax.random.key(0)), lambda m: m, activations={"q": "host"})  # type: ignore[dict-item]
+
+
+def test_unknown_strategy_and_donate():
+    with pytest.raises(ValueError, match=r"Unknown strategy 'fast'; expected one of 'annotated', 'baseline'"):
+        ox.filter_jit(lambda m: m, strategy="fast")
+    with pytest.raises(ValueError, match=r"donate='some'\): expected one of 'all'"):
+        ox.filter_jit(lambda m: m, donate="some")  # type: ignore[arg-type]
+
+
+def test_memory_on_a_static_field():
+    with pytest.raises(ValueError, match=r"static=True.*cannot be placed in memory.*Drop `static=True`"):
+        ox.field(memory="pinned_host", static=True)
+
+
+def test_memory_on_a_non_array_field():
+    class Scaled(eqx.Module):
+        w: jax.Array = ox.field(memory="pinned_host")
+        scale: float = ox.field(memory="pinned_host")
+
+    model = Scaled(w=jnp.ones(3), scale=2.0)
+    with pytest.raises(ValueError, match=r"Field `tree.scale` is declared with `ox.field\(memory='pinned_host'\)` but holds 2.0 \(a float\)"):
+        ox.place(model)
+
+
+def test_stacked_module_disagreeing_on_the_layer_axis():
+    layers = Layer(w1=jnp.ones((3, 4, 8)), w2=jnp.ones((2, 8, 4)))
+    with pytest.raises(ValueError, match=r"disagree on the length of the layer axis 0: length 2: `stacked.w2`; length 3: `stacked.w1`"):
+        ox.scan(layers, jnp.ones((2, 4)))
+
+
+def test_host_resident_leaf_scanned_over_axis_1():
+    model = ox.place(scanned_model(jax.random.key(0)))
+
+    with pytest.raises(ValueError, match=r"axis=1\): `stacked.w1` is host-resident.*only be scanned over axis 0"):
+        ox.scan(model.layers, jnp.ones((8, 16)), axis=1)
+
+
+class Named(eqx.Module):
+    w: jax.Array = ox.field(memory="device")
+    activations: ox.Activations = ox.activations(x="offload", y="offload")
+
+    def __call__(self, x):
+        return ox.name(x, "x") @ self.w
+
+
+def test_declared_name_never_produced():
+    model = Named(w=jnp.ones((4, 4)))
+
+    @ox.filter_jit
+    def loss(model, x):
+        return jnp.sum(ox.checkpoint(model, x))
+
+    with pytest.raises(ValueError, match=r"Activation 'y' is declared 'offload' by `model`, but the program never produces it \(names produced: \['x'\]\).*Fix the spelling"):
+        loss(model, jnp.ones((2, 4)))
+
+
+def test_declared_name_produced_outside_regions():
+    model = Named(w=jnp.ones((4, 4)))
+
+    @ox.filter_jit
+    def loss(model, x):
+        return jnp.sum(ox.name(x, "y")) + jnp.sum(model(x))
+
+    with pytest.raises(ValueError, match=r"Activation 'x' \(declared 'offload' by `model`\) is only produced outside"):
+        loss(model, jnp.ones((2, 4)))
+
+
+def test_same_name_two_policies():
+    class Saver(eqx.Module):
+        w: jax.Array
+        activations: ox.Activations = ox.activations(x="save")
+
+    class Both(eqx.Module):
+        a: Named
+        b: Saver
+
+    model = Both(a=Named(w=jnp.ones((4, 4))), b=Saver(w=jnp.ones(4)))
+    with pytest.raises(ValueError, match=r"Activation 'x' is given two policies: 'offload' by `tree.a` and 'save' by `tree.b`"):
+        ox.plan(model)
+
+
+def test_strategy_that_would_offload_nothing():
+    class Plain(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w
+
+    @ox.filter_jit(strategy="offload_params")
+    def loss(model, x):
+        return jnp.sum(ox.checkpoint(model, x))
+
+    with pytest.raises(ValueError, match=r"'offload_params' offloads parameters, but no array leaf is declared"):
+        loss(Plain(w=jnp.ones((4, 4))), jnp.ones((2, 4)))
+
+    @ox.filter_jit(strategy="offload_activations")
+    def loss2(model, x):
+        return jnp.sum(ox.checkpoint(model, x))
+
+    with pytest.raises(ValueError, match=r"'offload_activations' offloads activations, but no module declares"):
+        loss2(Plain(w=jnp.ones((4, 4))), jnp.ones((2, 4)))
+
+
+def test_host_resident_leaf_outside_any_region_and_state_stays_usable():
+    class Unregioned(eqx.Module):
+        layers: Layer
+        activations: ox.Activations = ox.activations(x="offload")
+
+        def __call__(self, x):
+            # Wrong: uses a host-resident stack directly instead of through ox.scan.
+            return x @ self.layers.w1[0]
+
+    good = ox.place(scanned_model(jax.random.key(0)))
+    bad = Unregioned(layers=good.layers)
+    opt = make_optimizer()
+    opt_state = opt.init(good)
+    step = make_step(opt, None, donate="all")
+    x = jnp.ones((8, 16))
+    with pytest.raises(ValueError, match=r"host-resident array was used outside any `ox.scan`/`ox.checkpoint` region.*`model.layers.w1`"):
+        step(bad, opt_state, x)
+    # Nothing was donated or deleted: the same model and state still train.
+    for leaf in jax.tree_util.tree_leaves((good, opt_state)):
+        assert not leaf.is_deleted()
+    model, opt_state, loss = step(good, opt_state, x)
+    assert np.isfinite(float(loss))
+    assert model.layers.w1.sharding.memory_kind == "pinned_host"
+
+
+def test_mistyped_host_argument():
+    """An array in pinned_host whose type says device (made by a jit's out_shardings)."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    w1 = jax.jit(lambda: jnp.ones((2, 4, 8)), out_shardings=host)()
+    w2 = jax.device_put(jnp.ones((2, 8, 4)), host)
+    model = ScannedModel(layers=Layer(w1=w1, w2=w2))
+
+    @ox.filter_jit
+    def forward(model, x):
+        return model(x)
+
+    with pytest.raises(ValueError, match=r"Argument `model.layers.w1` is in 'pinned_host' memory but its type is `float32\[2,4,8\]`.*ox.place"):
+        forward(model, jnp.ones((3, 4)))
+    # ox.place repairs it.
+    fixed = ox.place(model)
+    assert jax.typeof(fixed.layers.w1).memory_space == jax.memory.Space.Host
+    assert forward(fixed, jnp.ones((3, 4))).shape == (3, 4)
+
+
+def test_wrong_optimizer_state():
+    opt = make_optimizer()
+    model = ox.place(scanned_model(jax.random.key(0)))
+    with pytest.raises(TypeError, match=r"the state is a tuple, not the state returned by this optimizer's `init`"):
+        opt.update(model, (), model)
+
+
+def test_annotate_needs_something_and_a_whole_field():
+    model = scanned_model(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"neither `memory=` nor `activations=`"):
+        ox.annotate(model, lambda m: m.layers)
+    stacked = {"a": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"not a field of a module"):
+        ox.annotate(stacked, lambda t: t["a"], memory="pinned_host")
