@@ -1,11 +1,11 @@
 """Sessions for offload_eqx. Every session installs what it needs into its own venv.
 
-    nox -s tests            # CPU unit tests (one device)
-    nox -s multidevice      # tests on 8 CPU devices and across 2 processes
-    nox -s deviceless       # memory reports from the real XLA:GPU / XLA:TPU compilers
-    nox -s lint typecheck   # ruff, pyright
-    nox -s experiments      # the experiments on small defaults (--smoke)
-    nox -s benchmarks       # dispatch overhead, audit time
+nox -s tests            # CPU unit tests (one device)
+nox -s multidevice      # tests on 8 CPU devices and across 2 processes
+nox -s deviceless       # memory reports from the real XLA:GPU / XLA:TPU compilers
+nox -s lint typecheck   # ruff, pyright
+nox -s experiments      # the experiments on small defaults (--smoke)
+nox -s benchmarks       # dispatch overhead, audit time
 """
 
 import os
@@ -19,7 +19,11 @@ nox.options.sessions = ["lint", "typecheck", "tests", "deviceless"]
 PYTHON = "3.11"
 # A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;
 # this project only ever compiles for GPUs, so the platform is always chosen.
-CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
+CPU_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "TPU_ACCELERATOR_TYPE": "v5p-8",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+}
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
@@ -51,7 +55,9 @@ def deviceless(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff: `nox -s lint`."""
     session.install("ruff==0.17.6")
-    session.run("ruff", "check", "offload_eqx", "tests", "experiments", "noxfile.py", *session.posargs)
+    session.run(
+        "ruff", "check", "offload_eqx", "tests", "experiments", "noxfile.py", *session.posargs
+    )
     session.run("ruff", "format", "--check", "offload_eqx", "tests", "experiments", "noxfile.py")
 
 

@@ -30,12 +30,18 @@ PUBLISHED = {
     "parameter": {
         "offload x": {"temp": 6.50 * MiB, "argument": 20.25 * MiB, "total": 46.75 * MiB},
         "params on host + offload x": {
-            "temp": 4.75 * MiB, "argument": 0.25 * MiB, "total": 25.00 * MiB,
+            "temp": 4.75 * MiB,
+            "argument": 0.25 * MiB,
+            "total": 25.00 * MiB,
         },
     },
     "optimizer": {
         "baseline": {"temp": 2.11 * GiB, "argument": 2.49 * GiB, "total": 4.59 * GiB},
-        "offload optimizer state": {"temp": 1.91 * GiB, "argument": 0.96 * GiB, "total": 2.87 * GiB},
+        "offload optimizer state": {
+            "temp": 1.91 * GiB,
+            "argument": 0.96 * GiB,
+            "total": 2.87 * GiB,
+        },
     },
 }
 
@@ -106,7 +112,9 @@ def scan_programs(**sizes: int) -> dict[str, tuple]:
         "offload x": (jax.grad(offload_scanned), (w, x), {}),
         # wh1, wh2 = jax.device_put(w, s_host); jax.jit(jax.grad(hybrid_scanned))
         "params on host + offload x": (
-            jax.grad(hybrid_scanned), (w, x), {"in_memory": ("pinned_host", "device")},
+            jax.grad(hybrid_scanned),
+            (w, x),
+            {"in_memory": ("pinned_host", "device")},
         ),
     }
 
@@ -227,7 +235,9 @@ def run_workload(
             row["published_total"] = published["total"] if published else None
             if tutorial is not None:
                 fn, args, options = tutorial
-                row["tutorial"] = memory_report(fn, *args, target=target, name=name, **options).as_dict()
+                row["tutorial"] = memory_report(
+                    fn, *args, target=target, name=name, **options
+                ).as_dict()
             else:
                 row["tutorial"] = None
             ox_fn, ox_args = ours
@@ -237,8 +247,17 @@ def run_workload(
             rows.append(row)
     have_audit = any(t is not None for t in transfers.values())
     header = [
-        "program", "target", "published", "tutorial temp", "tutorial total", "ox temp",
-        "ox argument", "ox host arg+temp", "ox total", "bound", "ox <= tutorial",
+        "program",
+        "target",
+        "published",
+        "tutorial temp",
+        "tutorial total",
+        "ox temp",
+        "ox argument",
+        "ox host arg+temp",
+        "ox total",
+        "bound",
+        "ox <= tutorial",
     ]
     if have_audit:
         header += ["h2d / step", "d2h / step"]
@@ -246,10 +265,15 @@ def run_workload(
     for row in rows:
         tut, ox = row["tutorial"], row["offload_eqx"]
         line = [
-            row["program"], row["target"], _fmt(row["published_total"], unit),
-            _fmt(tut and tut["device"]["temp"], unit), _fmt(tut and tut["total"], unit),
-            _fmt(ox["device"]["temp"], unit), _fmt(ox["device"]["argument"], unit),
-            _fmt(ox["host"]["argument"] + ox["host"]["temp"], unit), _fmt(ox["total"], unit),
+            row["program"],
+            row["target"],
+            _fmt(row["published_total"], unit),
+            _fmt(tut and tut["device"]["temp"], unit),
+            _fmt(tut and tut["total"], unit),
+            _fmt(ox["device"]["temp"], unit),
+            _fmt(ox["device"]["argument"], unit),
+            _fmt(ox["host"]["argument"] + ox["host"]["temp"], unit),
+            _fmt(ox["total"], unit),
             _fmt(row["bound"], unit),
             "-" if tut is None else ("yes" if ox["total"] <= tut["total"] else "NO"),
         ]
@@ -258,8 +282,10 @@ def run_workload(
             line += [_fmt(t and t["h2d"], unit), _fmt(t and t["d2h"], unit)]
         table.append(line)
     widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]
-    text = [f"{workload} offloading, device memory in {unit_name} (total = temp + argument + "
-            "output - alias; published = the tutorial's GPU printout)"]
+    text = [
+        f"{workload} offloading, device memory in {unit_name} (total = temp + argument + "
+        "output - alias; published = the tutorial's GPU printout)"
+    ]
     text.append(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
     text.append("-+-".join("-" * w for w in widths))
     text += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]

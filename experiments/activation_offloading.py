@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _tutorial import MiB, TARGETS, run_workload, scan_arguments, scan_programs  # noqa: E402
+from _tutorial import TARGETS, MiB, run_workload, scan_arguments, scan_programs  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -73,7 +73,9 @@ def bounds(layers: int, batch: int, width: int, hidden: int) -> dict[str, int]:
     params = 2 * layers * width * hidden * 4
     arguments, outputs = params + batch * width * 4, params
     return {
-        "baseline": arguments + outputs + ((layers - 1) * batch * width + layers * batch * hidden) * 4,
+        "baseline": arguments
+        + outputs
+        + ((layers - 1) * batch * width + layers * batch * hidden) * 4,
         "offload x": arguments + outputs + (batch * width + batch * hidden) * 4,
     }
 
@@ -83,7 +85,10 @@ def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_d
     tutorial = scan_programs(**sizes)
     model, x = abstract_model(**sizes)
     pairs = {
-        "baseline": (tutorial["baseline"], (ox.filter_jit(grad_step, strategy="baseline"), (model, x))),
+        "baseline": (
+            tutorial["baseline"],
+            (ox.filter_jit(grad_step, strategy="baseline"), (model, x)),
+        ),
         "offload x": (
             tutorial["offload x"],
             (ox.filter_jit(grad_step, strategy="offload_activations"), (model, x)),

@@ -22,7 +22,7 @@ gradient recomputed, whole arrays moved:
   needs no more than the update phase.)
 - The update of one weight needs its mu and nu on the device: with the state on the host
   that is 2P (one weight at a time); without offload it is already counted.
-  baseline: 13P + 4P = 17P = 3.32 GiB; offloaded state: 5P + 4P + 2P = 11P = 2.15 GiB
+  baseline: 13P + 4P = 17P = 3.25 GiB; offloaded state: 5P + 4P + 2P = 11P = 2.11 GiB
   (9P = 1.72 GiB if the state were streamed in pieces smaller than one weight).
 
 Run: `python experiments/optimizer_offloading.py [--smoke | --full]`.
@@ -41,7 +41,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from _tutorial import GiB, MiB, OPTIMIZER, TARGETS, gelu, optimizer_programs, run_workload  # noqa: E402
+from _tutorial import OPTIMIZER, TARGETS, GiB, MiB, gelu, optimizer_programs, run_workload  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 from offload_eqx._sequential import sequential_offload_optimizer  # noqa: E402
@@ -107,7 +107,11 @@ def programs(dim: int) -> dict[str, tuple]:
 
 def bounds(dim: int) -> dict[str, int]:
     p = dim * dim * 4
-    return {"baseline": 17 * p, "offload optimizer state": 11 * p, "sequential (experimental)": 11 * p}
+    return {
+        "baseline": 17 * p,
+        "offload optimizer state": 11 * p,
+        "sequential (experimental)": 11 * p,
+    }
 
 
 def run(targets=TARGETS, dim=7168, cpu_dim=2048, results_dir=RESULTS):

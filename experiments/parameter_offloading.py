@@ -26,7 +26,7 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _tutorial import MiB, TARGETS, run_workload, scan_programs  # noqa: E402
+from _tutorial import TARGETS, MiB, run_workload, scan_programs  # noqa: E402
 from activation_offloading import RESULTS, abstract_model, bounds, grad_step  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402

@@ -260,11 +260,140 @@ STRATEGIES: dict[str, ox.Strategy] = {
 }
 
 
+# Bytes a program may use on one chip: the H100's from the `GpuTargetConfig` that
+# offload_eqx ships for it (80 GB HBM3 less what the driver reserves), the v5p's 95 GiB HBM.
+CAPACITY = {"h100": 84_978_434_048, "tpu-v5p": 95 * 2**30}
+GB = 1e9
+
+
+def _memory_report() -> Callable[..., Any]:
+    """`ox.memory_report`, wherever the package exposes it."""
+    report = getattr(ox, "memory_report", None)
+    if report is None:
+        from offload_eqx._memory import memory_report as report
+    return report
+
+
+def _abstract(tree: Any) -> Any:
+    """Array leaves as bare `ShapeDtypeStruct`s: no sharding, so the memory report places
+    them on the target from the plan rather than on this machine's CPU."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree
+    )
+
+
+def abstract_state(config: Config) -> tuple[Decoder, Any]:
+    """The bf16 model and its optimizer state as `ShapeDtypeStruct`s: nothing allocated."""
+    model = _abstract(eqx.filter_eval_shape(make_decoder, config, jax.random.key(0)))
+    opt_state = _abstract(eqx.filter_eval_shape(make_optimizer().init, model))
+    return model, opt_state
+
+
+def _out_of_memory(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def measure(config: Config, target: str, strategy: str, batch: int, state=None) -> dict:
+    """Compile the full step for `target` at `batch` and read its memory per space.
+
+    `fits` is false when the compiler refuses (out of memory) or the device total
+    (temp + argument + output - alias) exceeds the chip's capacity.
+    """
+    model, opt_state = state if state is not None else abstract_state(config)
+    tokens = jax.ShapeDtypeStruct((batch, config.seq + 1), jnp.int32)
+    step = make_step(make_optimizer(), STRATEGIES[strategy])
+    start = time.perf_counter()
+    try:
+        report = _memory_report()(step, model, opt_state, tokens, target=target, name=strategy)
+    except Exception as error:  # the TPU compiler refuses programs larger than HBM
+        if not _out_of_memory(error):
+            raise
+        return {"batch": batch, "fits": False, "total": None, "host_total": None,
+                "device": None, "host": None, "compile_s": time.perf_counter() - start}
+    return {
+        "batch": batch,
+        "fits": report.total <= CAPACITY[target],
+        "total": report.total,
+        "host_total": report.host_total,
+        "device": dict(report.device),
+        "host": dict(report.host),
+        "compile_s": time.perf_counter() - start,
+    }
+
+
+def largest_batch(measure_at: Callable[[int], dict], capacity: int, first: dict,
+                  budget: int) -> dict:
+    """The largest batch whose step fits `capacity`, with at most `budget` more compiles.
+
+    Device memory is nearly linear in the batch, so each probe is the batch where the line
+    through the two nearest measurements meets the capacity (a secant step), kept strictly
+    inside the bracket [largest fit + 1, smallest misfit - 1]; bisection takes over when
+    there is no line (a refused compile). `exact` says the bracket closed.
+    """
+    probes = {first["batch"]: first}
+    for _ in range(budget):
+        fit = [b for b, m in probes.items() if m["fits"]]
+        misfit = [b for b, m in probes.items() if not m["fits"]]
+        low = max(fit, default=0)
+        high = min(misfit, default=None)
+        if high is not None and high <= low + 1:
+            break
+        measured = sorted((b, m["total"]) for b, m in probes.items() if m["total"] is not None)
+        candidate = None
+        if len(measured) >= 2:
+            # The two measurements nearest the capacity define the line.
+            (b1, t1), (b2, t2) = sorted(measured, key=lambda bt: abs(bt[1] - capacity))[:2]
+            if t2 != t1 and b2 != b1:
+                slope = (t2 - t1) / (b2 - b1)
+                if slope > 0:
+                    candidate = int(b1 + (capacity - t1) // slope)
+        if candidate is None:
+            candidate = 2 * max(low, 1) if high is None else (low + high) // 2
+        candidate = max(candidate, low + 1)
+        if high is not None:
+            candidate = min(candidate, high - 1)
+        probes[candidate] = measure_at(candidate)
+    fit = [b for b, m in probes.items() if m["fits"]]
+    misfit = [b for b, m in probes.items() if not m["fits"]]
+    best = max(fit, default=0)
+    return {
+        "max_batch": best,
+        "exact": bool(misfit) and min(misfit) == best + 1,
+        "total_at_max": probes[best]["total"] if best else None,
+        "probes": [
+            {"batch": b, "fits": m["fits"], "total": m["total"], "compile_s": m["compile_s"]}
+            for b, m in sorted(probes.items())
+        ],
+    }
+
+
+def deviceless(config: Config, targets: list[str], budget: int) -> list[dict]:
+    """Memory at batch 1 and the largest batch, per target and strategy."""
+    state = abstract_state(config)
+    rows = []
+    for target in targets:
+        for strategy in STRATEGIES:
+            def measure_at(batch, target=target, strategy=strategy):
+                return measure(config, target, strategy, batch, state)
+
+            first = measure_at(1)
+            row = {"config": config.name, "target": target, "strategy": strategy, **first}
+            row["search"] = largest_batch(measure_at, CAPACITY[target], first, budget)
+            rows.append(row)
+            print(f"  {config.name} {target:8s} {strategy:14s} batch 1: "
+                  f"{_gb(first['total'])} GB device, {_gb(first['host_total'])} GB host, "
+                  f"{first['compile_s']:.1f} s; max batch {row['search']['max_batch']}"
+                  f" ({len(row['search']['probes'])} compiles)", flush=True)
+    return rows
+
+
 # -- 3. equal losses on the CPU ---------------------------------------------------------
 
 
 def train_on_cpu(steps: int = 4, batch: int = 4, config: Config = CONFIGS["tiny"]) -> dict:
-    """Train the tiny decoder `steps` steps under each strategy from the same start."""
+    """Train the tiny decoder `steps` steps under each strategy from the same start, in
+    float32, and compare each strategy's losses with the baseline's (`no_remat`)."""
     tokens = jax.random.randint(jax.random.key(1), (batch, config.seq + 1), 0, config.vocab)
     optimizer = make_optimizer()
     losses: dict[str, list[float]] = {}
@@ -281,11 +410,175 @@ def train_on_cpu(steps: int = 4, batch: int = 4, config: Config = CONFIGS["tiny"
         losses[name] = history
     reference = np.asarray(losses["no_remat"])
     differences = {
-        name: float(np.max(np.abs(np.asarray(h) - reference) / np.abs(reference)))
-        for name, h in losses.items()
+        name: float(np.max(np.abs(np.asarray(history) - reference) / np.abs(reference)))
+        for name, history in losses.items()
     }
-    return {"config": dataclasses.asdict(config), "losses": losses, "max_rel_diff": differences}
+    return {"config": dataclasses.asdict(config), "steps": steps, "batch": batch,
+            "losses": losses, "max_rel_diff": differences}
+
+
+# -- reporting --------------------------------------------------------------------------
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / GB:.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *map(line, rows)])
+
+
+def memory_table(rows: list[dict]) -> str:
+    header = ["config", "target", "strategy", "temp GB", "argument GB", "output GB",
+              "alias GB", "device total GB", "host total GB", "compile s"]
+    body = []
+    for r in rows:
+        d = r["device"] or {}
+        body.append([r["config"], r["target"], r["strategy"], _gb(d.get("temp")),
+                     _gb(d.get("argument")), _gb(d.get("output")), _gb(d.get("alias")),
+                     _gb(r["total"]), _gb(r["host_total"]), f"{r['compile_s']:.1f}"])
+    return _table(header, body)
+
+
+def batch_table(rows: list[dict]) -> str:
+    header = ["config", "target", "capacity GB", "strategy", "max batch", "device GB at max",
+              "compiles", "probes (batch: device GB, x = does not fit)"]
+    body = []
+    for r in rows:
+        s = r["search"]
+        probes = ", ".join(
+            f"{p['batch']}: {_gb(p['total'])}{'' if p['fits'] else ' x'}" for p in s["probes"]
+        )
+        best = str(s["max_batch"]) + ("" if s["exact"] else " (at least)")
+        body.append([r["config"], r["target"], _gb(CAPACITY[r["target"]]), r["strategy"], best,
+                     _gb(s["total_at_max"]), str(len(s["probes"])), probes])
+    return _table(header, body)
+
+
+def loss_table(cpu: dict) -> str:
+    header = ["strategy", *(f"loss {i + 1}" for i in range(cpu["steps"])), "max rel diff"]
+    body = [[name, *(f"{x:.6f}" for x in history), f"{cpu['max_rel_diff'][name]:.1e}"]
+            for name, history in cpu["losses"].items()]
+    return _table(header, body)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Device memory at batch 1 and the largest batch, per strategy, for each
+    (config, target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["config"], r["target"]) for r in rows},
+                    key=lambda g: (list(CONFIGS).index(g[0]), g[1]))
+    names = list(STRATEGIES)
+    width = 0.8 / len(groups)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, group in enumerate(groups):
+        by_name = {r["strategy"]: r for r in rows if (r["config"], r["target"]) == group}
+        x = np.arange(len(names)) + (i - (len(groups) - 1) / 2) * width
+        device = [(by_name[n]["total"] or 0) / GB if n in by_name else 0 for n in names]
+        host = [(by_name[n]["host_total"] or 0) / GB if n in by_name else 0 for n in names]
+        best = [by_name[n]["search"]["max_batch"] if n in by_name else 0 for n in names]
+        label = f"{group[0]} {group[1]}"
+        bars = left.bar(x, device, width, label=label)
+        left.bar(x, host, width, bottom=device, color=bars[0].get_facecolor(), alpha=0.3,
+                 hatch="//")
+        right.bar(x, best, width, label=label)
+    for axis, title in ((left, "device GB at batch 1 (hatched: host GB)"),
+                        (right, "largest batch that fits")):
+        axis.set_xticks(np.arange(len(names)), names, rotation=20)
+        axis.set_title(title)
+        axis.legend(fontsize=8)
+    figure.suptitle("Llama-like decoder, full training step (AdamW), bf16, seq 2048")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _available(target: str) -> bool:
+    from offload_eqx._targets import get_target, require_extra
+
+    try:
+        require_extra(get_target(target))
+        return True
+    except ImportError as error:
+        print(f"skipping {target}: {str(error).split('. ')[0]}.")
+        return False
+
+
+def run(configs: list[str], targets: list[str], budget: int, cpu_steps: int,
+        out: Path = RESULTS) -> dict:
+    """Compile-only memory and largest batch per (config, target, strategy), then the CPU
+    equal-loss check; print the tables, write JSON and a plot into `out`."""
+    started = time.perf_counter()
+    targets = [t for t in targets if _available(t)]
+    rows: list[dict] = []
+    for name in configs:
+        config = CONFIGS[name]
+        print(f"{name}: {config.parameters / 1e9:.2f}B parameters, {config.layers} layers, "
+              f"d {config.dim}, ffn {config.ffn}, heads {config.heads}, seq {config.seq}, "
+              "bf16", flush=True)
+        rows += deviceless(config, targets, budget)
+    cpu = train_on_cpu(steps=cpu_steps)
+    worst = max(cpu["max_rel_diff"].values())
+    assert worst < 1e-5, f"losses differ from the baseline by up to {worst:.2e}"
+    elapsed = time.perf_counter() - started
+
+    if rows:
+        print("\nDevice and host memory of one training step at batch 1 (GB = 1e9 bytes)")
+        print(memory_table(rows))
+        print("\nLargest batch that fits one chip")
+        print(batch_table(rows))
+    print(f"\nTiny decoder on the CPU ({cpu['config']['dim']} wide, {cpu['config']['layers']} "
+          f"layers, float32, batch {cpu['batch']}): losses per step")
+    print(loss_table(cpu))
+    print(f"\nmax relative loss difference against no_remat: {worst:.1e}; "
+          f"total time {elapsed:.0f} s")
+
+    results = {
+        "configs": {n: {**dataclasses.asdict(CONFIGS[n]), "parameters": CONFIGS[n].parameters}
+                    for n in configs},
+        "strategies": {n: dataclasses.asdict(s) for n, s in STRATEGIES.items()},
+        "capacity": CAPACITY,
+        "deviceless": rows,
+        "cpu": cpu,
+        "elapsed_s": elapsed,
+        "versions": {"jax": jax.__version__, "equinox": eqx.__version__,
+                     "optax": optax.__version__},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transformer_offload.json").write_text(json.dumps(results, indent=1))
+    if rows:
+        plot(rows, out / "transformer_offload.png")
+    print(f"wrote {out / 'transformer_offload.json'}" + (" and .png" if rows else ""))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true",
+                      help="1B only, two probes per batch search (a few minutes)")
+    size.add_argument("--full", action="store_true", help="1B, 3B and 8B, six probes")
+    parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
+    parser.add_argument("--targets", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
+    parser.add_argument("--probes", type=int, help="compiles per batch search after batch 1")
+    parser.add_argument("--cpu-steps", type=int, default=4)
+    args = parser.parse_args()
+    if args.full:
+        configs, budget = ["1B", "3B", "8B"], 6
+    elif args.smoke:
+        configs, budget = ["1B"], 2
+    else:
+        configs, budget = ["1B"], 4
+    run(args.configs or configs, args.targets,
+        args.probes if args.probes is not None else budget, args.cpu_steps)
 
 
 if __name__ == "__main__":
-    print(train_on_cpu())
+    main()

@@ -9,13 +9,13 @@ the original `__call__`, so the model computes exactly as before and
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec
 
-from ._activations import Activations, Policy, check_policy
+from ._activations import Activations, check_policy
 from ._placement import METADATA_KEY, Memory, Placement, check_memory
 from ._plan import ANNOTATION_ATTRIBUTE
 
@@ -117,7 +117,7 @@ def annotate(
     placement = None
     if memory is not None:
         check_memory(memory, where="ox.annotate(memory=...)")
-        placement = Placement(memory=memory, spec=spec)
+        placement = Placement(memory=cast(Memory, memory), spec=spec)
     if isinstance(activations, dict):
         for name, policy in activations.items():
             check_policy(name, policy, where="ox.annotate(activations=...)")
@@ -135,7 +135,11 @@ def annotate(
                     "module (every array field of it is annotated) or a whole field of a "
                     "module, e.g. `lambda m: m.layers[0]` or `lambda m: m.layers[0].weight`."
                 )
-            fields = frozenset((name, placement) for name in _dynamic_fields(inner)) if placement else frozenset()
+            fields = (
+                frozenset((name, placement) for name in _dynamic_fields(inner))
+                if placement
+                else frozenset()
+            )
             return _copy_as(inner, _annotated_class(type(inner), fields, activations))
         if isinstance(node, eqx.Module):
             overrides = []

@@ -49,17 +49,42 @@ _DIRECTIONS = {
 # operands are fine here (a scan slicing host-resident layers, a region receiving them).
 _STRUCTURAL = frozenset(
     {
-        "device_put", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
-        "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-        "custom_vjp_call_jaxpr", "name", "optimization_barrier", "sharding_constraint",
-        "reshard", "mesh_cast", "pvary",
+        "device_put",
+        "scan",
+        "while",
+        "cond",
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "name",
+        "optimization_barrier",
+        "sharding_constraint",
+        "reshard",
+        "mesh_cast",
+        "pvary",
     }
 )
 # Equations whose output is a view of their only input: the attribution follows them.
 _VIEWS = frozenset(
     {
-        "reshape", "squeeze", "expand_dims", "copy", "copy_p", "convert_element_type",
-        "transpose", "reshard", "sharding_constraint", "mesh_cast", "pvary", "name",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "convert_element_type",
+        "transpose",
+        "reshard",
+        "sharding_constraint",
+        "mesh_cast",
+        "pvary",
+        "name",
     }
 )
 
@@ -128,7 +153,8 @@ class TransferReport:
         """The transfers matching every given filter (`what` is a glob pattern)."""
         direction = _direction(direction) if direction is not None else None
         return [
-            t for t in self.transfers
+            t
+            for t in self.transfers
             if (direction is None or t.direction == direction)
             and (what is None or fnmatch.fnmatchcase(t.what, what))
             and (kind is None or t.kind == kind)
@@ -219,9 +245,15 @@ class TransferReport:
         header = ("direction", "kind", "what", "shape", "dtype", "count", "bytes", "phase", "where")
         rows = [
             (
-                t.direction + (" (implicit)" if t.implicit else ""), t.kind, t.what,
-                "x".join(map(str, t.shape)) or "()", t.dtype, str(t.count), _mib(t.bytes),
-                t.phase, t.where or "-",
+                t.direction + (" (implicit)" if t.implicit else ""),
+                t.kind,
+                t.what,
+                "x".join(map(str, t.shape)) or "()",
+                t.dtype,
+                str(t.count),
+                _mib(t.bytes),
+                t.phase,
+                t.where or "-",
             )
             for t in self.transfers
         ]
@@ -349,8 +381,16 @@ class _Walker:
             self._seen_violations.add((rule, path))
             self.violations.append(Violation(rule, path, message))
 
-    def walk(self, jaxpr, env: dict, count: int, phase: str, where: tuple[str, ...],
-             host_ok: bool, top: bool = False) -> None:
+    def walk(
+        self,
+        jaxpr,
+        env: dict,
+        count: int,
+        phase: str,
+        where: tuple[str, ...],
+        host_ok: bool,
+        top: bool = False,
+    ) -> None:
         seen_backward = False
         fetches: list[tuple[str, Any]] = []  # host leaves fetched in this body: (path, aval)
         for eqn in jaxpr.eqns:
@@ -373,12 +413,20 @@ class _Walker:
             elif prim == "name":
                 self.names_seen.add(eqn.params["name"])
                 env[eqn.outvars[0]] = _Origin("activation", eqn.params["name"])
-            elif prim in _VIEWS and len(eqn.invars) == 1 and _is_var(eqn.invars[0]) and eqn.invars[0] in env:
+            elif (
+                prim in _VIEWS
+                and len(eqn.invars) == 1
+                and _is_var(eqn.invars[0])
+                and eqn.invars[0] in env
+            ):
                 if not eqn_host_ok and _is_host(eqn.invars[0].aval) and prim not in _STRUCTURAL:
                     self._host_arithmetic(eqn, env, where)
                 env[eqn.outvars[0]] = env[eqn.invars[0]]
             elif prim in _STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
+                before = self.saw_backward
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
+                # A gradient computed inside a nested jit: what follows it is the update.
+                seen_backward = seen_backward or (self.saw_backward and not before)
             elif not eqn_host_ok:
                 if any(_is_var(v) and _is_host(v.aval) for v in eqn.invars):
                     self._host_arithmetic(eqn, env, where)
@@ -491,15 +539,31 @@ class _Walker:
         if prim == "scan":
             body = _open(params["jaxpr"])
             label = f"scan[{params['length']}]"
-            self._enter(body, invars, outvars, env, count * params["length"], phase,
-                        where + (label,), host_ok)
+            self._enter(
+                body,
+                invars,
+                outvars,
+                env,
+                count * params["length"],
+                phase,
+                where + (label,),
+                host_ok,
+            )
         elif prim == "cond":
             best = None
             for index, branch in enumerate(params["branches"]):
                 sub = _Walker(self.outputs)
                 sub.names_seen = self.names_seen
-                sub._enter(_open(branch), invars[1:], outvars, env, count, phase,
-                           where + (f"cond branch {index}",), host_ok)
+                sub._enter(
+                    _open(branch),
+                    invars[1:],
+                    outvars,
+                    env,
+                    count,
+                    phase,
+                    where + (f"cond branch {index}",),
+                    host_ok,
+                )
                 for v in sub.violations:
                     self.violate(v.rule, v.path, v.message)
                 if best is None or sum(t.bytes for t in sub.transfers) > sum(t.bytes for t in best):
@@ -508,16 +572,32 @@ class _Walker:
         elif prim == "while":
             body = _open(params["body_jaxpr"])
             n_cond = params["cond_nconsts"]
-            self._enter(body, invars[n_cond:], outvars, env, count, phase,
-                        where + ("while (trip count unknown, counted once)",), host_ok)
+            self._enter(
+                body,
+                invars[n_cond:],
+                outvars,
+                env,
+                count,
+                phase,
+                where + ("while (trip count unknown, counted once)",),
+                host_ok,
+            )
         else:
             subs = list(jex.core.jaxprs_in_params(params))
             label = {"remat2": "remat", "checkpoint": "remat"}.get(prim, prim)
             for sub in subs:
                 sub = _open(sub)
                 aligned = len(sub.invars) == len(invars)
-                self._enter(sub, invars if aligned else [], outvars if aligned else [], env,
-                            count, phase, where + (label,), host_ok)
+                self._enter(
+                    sub,
+                    invars if aligned else [],
+                    outvars if aligned else [],
+                    env,
+                    count,
+                    phase,
+                    where + (label,),
+                    host_ok,
+                )
 
     def _enter(self, body, invars, outvars, env, count, phase, where, host_ok) -> None:
         inner: dict = {}
@@ -557,7 +637,7 @@ def _is_dynamic(x: Any) -> bool:
 
 
 def _split_output(path: str) -> tuple[str, str]:
-    rest = path[len("output"):]
+    rest = path[len("output") :]
     if rest.startswith("["):
         end = rest.index("]") + 1
         return "output" + rest[:end], rest[end:]
@@ -574,10 +654,16 @@ def _match_outputs(entry: Compilation, roots: Sequence[str]) -> list[Any]:
         groups.setdefault(group, {})[suffix] = i
     inputs: dict[str, dict[str, Any]] = {}
     for leaf in entry.plan.leaves:
-        root = next((r for r in roots if leaf.path == r or leaf.path.startswith(r + ".")
-                     or leaf.path.startswith(r + "[")), None)
+        root = next(
+            (
+                r
+                for r in roots
+                if leaf.path == r or leaf.path.startswith(r + ".") or leaf.path.startswith(r + "[")
+            ),
+            None,
+        )
         if root is not None:
-            inputs.setdefault(root, {})[leaf.path[len(root):]] = leaf
+            inputs.setdefault(root, {})[leaf.path[len(root) :]] = leaf
     matched: list[Any] = [None] * len(out_paths)
     used: set[str] = set()
     for group, members in groups.items():
@@ -621,7 +707,8 @@ def _locate_host_use(wrapper: _JitWrapper, args, kwargs, error: BaseException) -
     entry = Compilation(None, flat, plan, in_shardings, (), (), (), [])
     abstract = entry.abstract(dynamic)
     host = {
-        i for i, a in enumerate(abstract)
+        i
+        for i, a in enumerate(abstract)
         if a.sharding is not None and a.sharding.memory_kind == "pinned_host"
     }
     offenders = []
@@ -636,12 +723,16 @@ def _locate_host_use(wrapper: _JitWrapper, args, kwargs, error: BaseException) -
             pass
     text = str(error)
     start = text.find("memory_space of all inputs")
-    jax_error = text[start: text.find("same", start) + 4] if start >= 0 else text.split("\n")[0]
+    jax_error = text[start : text.find("same", start) + 4] if start >= 0 else text.split("\n")[0]
     paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
     one = len(offenders) <= 1
     message = _HOST_USE.format(
-        name=wrapper.__name__, paths=paths, are="is" if one else "are", error=jax_error,
-        it="it" if one else "them", its="its" if one else "their",
+        name=wrapper.__name__,
+        paths=paths,
+        are="is" if one else "are",
+        error=jax_error,
+        it="it" if one else "them",
+        its="its" if one else "their",
     )
     violations = [Violation("host leaf outside region", p, message) for p in offenders]
     return ContractError(message, violations)
@@ -690,7 +781,9 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
     for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
         if _is_var(var):
             outputs[var] = (
-                (_ROLE_KIND.get(leaf.role, "input"), leaf.path) if leaf is not None else ("output", path)
+                (_ROLE_KIND.get(leaf.role, "input"), leaf.path)
+                if leaf is not None
+                else ("output", path)
             )
     walker = _Walker(outputs)
     env = {
@@ -707,7 +800,10 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
                 "output memory",
                 path,
                 _WRONG_MEMORY.format(
-                    out=path, got=memory, path=leaf.path, want=leaf.memory,
+                    out=path,
+                    got=memory,
+                    path=leaf.path,
+                    want=leaf.memory,
                     size=_mib(_nbytes(aval)),
                     space="Host" if leaf.memory == "pinned_host" else "Device",
                 ),
@@ -729,13 +825,22 @@ def _argument_transfers(entry: Compilation, leaves: list) -> list[Transfer]:
             direction = "host-to-device"
         elif isinstance(leaf, jax.Array) and sharding is not None:
             if leaf.sharding.memory_kind != sharding.memory_kind:
-                direction = "device-to-host" if sharding.memory_kind == "pinned_host" else "host-to-device"
+                direction = (
+                    "device-to-host" if sharding.memory_kind == "pinned_host" else "host-to-device"
+                )
         if direction is not None:
             found.append(
                 Transfer(
-                    direction=direction, kind=kind, what=leaf_plan.path,
-                    shape=leaf_plan.shape, dtype=str(leaf_plan.dtype), count=1,
-                    bytes=leaf_plan.nbytes, phase="call", where="argument", implicit=True,
+                    direction=direction,
+                    kind=kind,
+                    what=leaf_plan.path,
+                    shape=leaf_plan.shape,
+                    dtype=str(leaf_plan.dtype),
+                    count=1,
+                    bytes=leaf_plan.nbytes,
+                    phase="call",
+                    where="argument",
+                    implicit=True,
                 )
             )
     return found

@@ -130,7 +130,9 @@ def _check_arguments(arguments: Sequence[tuple[str, Any]]) -> None:
     for path, leaf in _flatten(arguments):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             if not type_matches(leaf):
-                typed = "host" if jax.typeof(leaf).memory_space == jax.memory.Space.Host else "device"
+                typed = (
+                    "host" if jax.typeof(leaf).memory_space == jax.memory.Space.Host else "device"
+                )
                 raise ImplicitTransferError(
                     _MISTYPED.format(
                         path=path,
@@ -150,7 +152,11 @@ def _user_frame(error: BaseException) -> str:
         os.sep + "contextlib.py",
         os.sep + "numpy" + os.sep,
     )
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not any(s in f.filename for s in skip)]
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not any(s in f.filename for s in skip)
+    ]
     if not frames:
         return "an unknown location"
     frame = frames[-1]
@@ -163,7 +169,7 @@ def _aval_in(message: str) -> str:
     if start < 0:
         return "a value"
     end = message.find("),", start)
-    return message[start + len("aval="): end + 1 if end >= 0 else None]
+    return message[start + len("aval=") : end + 1 if end >= 0 else None]
 
 
 def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -196,7 +202,9 @@ def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -
     if "Disallowed device-to-device transfer" in message:
         offenders, majority = device_offenders(arguments or [])
         if offenders:
-            described = ", ".join(f"`{p}` is on {', '.join(map(str, _devices_of(x)))}" for p, x in offenders)
+            described = ", ".join(
+                f"`{p}` is on {', '.join(map(str, _devices_of(x)))}" for p, x in offenders
+            )
             return _DEVICES.format(
                 offenders=described,
                 them="it" if len(offenders) == 1 else "them",

@@ -12,9 +12,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-import equinox as eqx
 import jax
 import numpy as np
+
+from jax.core import Tracer
 
 from ._activations import recording
 from ._context import type_matches, using_plan
@@ -53,7 +54,8 @@ def _labels(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
         parameters = []
     roots = []
     positional = [
-        p for p in parameters
+        p
+        for p in parameters
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
     for i, arg in enumerate(args):
@@ -85,7 +87,8 @@ class Compilation:
         """Abstract arguments typed by their planned memory."""
         return [
             jax.ShapeDtypeStruct(
-                np.shape(leaf), leaf.dtype,
+                np.shape(leaf),
+                leaf.dtype,
                 sharding=_typed(s if s is not None else getattr(leaf, "sharding", None)),
             )
             for leaf, s in zip(dynamic, self.in_shardings)
@@ -110,7 +113,7 @@ class Compilation:
         return jax.tree_util.tree_unflatten(out_treedef, leaves)
 
 
-def _device_of(leaves: list) -> jax.Device:
+def _device_of(leaves: list) -> Any:
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             devices = leaf.sharding.device_set
@@ -147,7 +150,7 @@ class _JitWrapper:
     def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         mask = tuple(map(_is_dynamic, leaves))
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
             # Called inside another trace: inline, like a nested jax.jit would.
             return self.fn(*args, **kwargs)
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
@@ -156,7 +159,7 @@ class _JitWrapper:
             entry = self._cache.get(key)
         except TypeError as e:
             raise TypeError(
-                f"ox.filter_jit({self.__name__}): a non-array argument is not hashable "
+                f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array argument is not hashable "
                 f"({e}). Non-array leaves are static (part of the compile cache key), so "
                 "they must be hashable: pass arrays for values that change, or make the "
                 "object hashable."
@@ -223,7 +226,9 @@ class _JitWrapper:
                         raise
                     paths = ", ".join(f"`{leaf.path}`" for leaf in plan.leaves_in("pinned_host"))
                     raise ValueError(
-                        _HOST_OUTSIDE_REGION.format(error=str(e).split("\n")[0], paths=paths or "none")
+                        _HOST_OUTSIDE_REGION.format(
+                            error=str(e).split("\n")[0], paths=paths or "none"
+                        )
                     ) from None
             plan.check_trace(record.inside_regions, record.outside_regions, record.regions)
             out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
@@ -241,7 +246,13 @@ class _JitWrapper:
         plan = Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
         for leaf, leaf_plan in zip(dynamic, plan.leaves):
             if isinstance(leaf, jax.Array) and not type_matches(leaf):
-                raise ValueError(_MISTYPED.format(path=leaf_plan.path, kind=leaf.sharding.memory_kind, type=jax.typeof(leaf).str_short()))
+                raise ValueError(
+                    _MISTYPED.format(
+                        path=leaf_plan.path,
+                        kind=leaf.sharding.memory_kind,
+                        type=jax.typeof(leaf).str_short(),
+                    )
+                )
         plan.check_strategy()
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
         # Every argument gets an explicit sharding, unmanaged ones their current one: JAX
@@ -255,8 +266,14 @@ class _JitWrapper:
         cell: list = []
         flat = self._make_flat(plan, treedef, mask, statics, cell)
         entry = Compilation(
-            jitted=None, flat=flat, plan=plan, in_shardings=in_shardings, out_avals=(),
-            out_shardings=(), donate_argnums=(), out_cell=cell,
+            jitted=None,
+            flat=flat,
+            plan=plan,
+            in_shardings=in_shardings,
+            out_avals=(),
+            out_shardings=(),
+            donate_argnums=(),
+            out_cell=cell,
         )
         # Trace on abstract values typed by the *planned* memory, whatever memory the
         # arguments are in now (they are moved before the first call).
@@ -264,7 +281,9 @@ class _JitWrapper:
         entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
         if plan.mesh is None:
-            entry.out_shardings = tuple(_out_sharding(aval, device, None) for aval in entry.out_avals)
+            entry.out_shardings = tuple(
+                _out_sharding(aval, device, None) for aval in entry.out_avals
+            )
         else:  # outputs shaped like an argument keep its shardings (see _mesh)
             entry.out_shardings = output_shardings(
                 plan.mesh, (args, kwargs), in_shardings, _is_dynamic, cell, entry.out_avals
@@ -316,7 +335,7 @@ def _move(dynamic: list, shardings: tuple) -> list:
 
 
 @functools.cache
-def _single_device_mesh(device: jax.Device) -> jax.sharding.Mesh:
+def _single_device_mesh(device: Any) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array([device]), ("_device",))
 
 
@@ -329,7 +348,9 @@ def _typed(sharding):
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         (device,) = sharding.device_set
         return jax.sharding.NamedSharding(
-            _single_device_mesh(device), jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+            _single_device_mesh(device),
+            jax.sharding.PartitionSpec(),
+            memory_kind=sharding.memory_kind,
         )
     return sharding
 
@@ -383,5 +404,7 @@ def filter_jit(
             + "."
         )
     if fn is None:
-        return functools.partial(filter_jit, strategy=strategy, donate=donate, mesh=mesh, audit=audit)
+        return functools.partial(
+            filter_jit, strategy=strategy, donate=donate, mesh=mesh, audit=audit
+        )
     return _JitWrapper(fn, strategy, donate, mesh, audit)

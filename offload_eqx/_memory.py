@@ -85,8 +85,16 @@ class MemoryReport:
     def __str__(self) -> str:
         header = ("memory", *FIELDS[:4], "total")
         rows = [
-            ("device", *(format_bytes(self.device[f]) for f in FIELDS[:4]), format_bytes(self.total)),
-            ("host", *(format_bytes(self.host[f]) for f in FIELDS[:4]), format_bytes(self.host_total)),
+            (
+                "device",
+                *(format_bytes(self.device[f]) for f in FIELDS[:4]),
+                format_bytes(self.total),
+            ),
+            (
+                "host",
+                *(format_bytes(self.host[f]) for f in FIELDS[:4]),
+                format_bytes(self.host_total),
+            ),
         ]
         return f"Memory of {self.name!r} compiled for {self.target!r}\n" + _table(header, rows)
 
@@ -109,11 +117,19 @@ def format_bytes(n: int) -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(h).rjust(w) if i else str(h).ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines = [
+        "  ".join(
+            str(h).rjust(w) if i else str(h).ljust(w)
+            for i, (h, w) in enumerate(zip(header, widths))
+        )
+    ]
     lines.append("  ".join("-" * w for w in widths))
     for row in rows:
         lines.append(
-            "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            "  ".join(
+                str(c).rjust(w) if i else str(c).ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            )
         )
     return "\n".join(lines)
 
@@ -177,7 +193,9 @@ def _from_filter_jit(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> _Progra
         flat=entry.flat,
         leaves=list(leaves),
         in_memories=memories,
-        specs=[leaf_plan.spec for leaf_plan in plan.leaves] if mesh is not None else [None] * len(leaves),
+        specs=[leaf_plan.spec for leaf_plan in plan.leaves]
+        if mesh is not None
+        else [None] * len(leaves),
         out_memory=lambda out_avals: list(entry.out_memories),
         donate_argnums=tuple(donate),
         mesh_shape=dict(mesh.shape) if mesh is not None else None,
@@ -218,7 +236,11 @@ def _is_jit_object(fn: Any) -> bool:
 
 
 def _from_function(
-    fn: Callable, args: tuple, kwargs: dict, in_memory: Any, out_memory: Any,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    in_memory: Any,
+    out_memory: Any,
     donate_argnums: Sequence[int],
 ) -> _Program:
     if _is_jit_object(fn):
@@ -234,7 +256,8 @@ def _from_function(
     requested_dynamic = [r for r, x in zip(requested, arg_leaves) if _is_dynamic(x)]
     requested_dynamic += [None] * (len(leaves) - len(requested_dynamic))
     paths = [
-        jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        jax.tree_util.keystr(p)
+        for p, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
         if _is_dynamic(x)
     ]
     memories = []
@@ -375,21 +398,35 @@ class MemoryComparison:
 
     def __str__(self) -> str:
         header = (
-            "program", "target", "temp", "argument", "output", "alias", "total",
-            "host temp", "host argument", "host output", "vs first",
+            "program",
+            "target",
+            "temp",
+            "argument",
+            "output",
+            "alias",
+            "total",
+            "host temp",
+            "host argument",
+            "host output",
+            "vs first",
         )
         first: dict[str, int] = {}
         rows = []
         for (name, target), r in self.reports.items():
             first.setdefault(target, r.total)
-            rows.append((
-                name, target,
-                *(format_bytes(r.device[f]) for f in ("temp", "argument", "output", "alias")),
-                format_bytes(r.total),
-                *(format_bytes(r.host[f]) for f in ("temp", "argument", "output")),
-                format_bytes(r.total - first[target]),
-            ))
-        return "Compiled memory per device (total = temp + argument + output - alias)\n" + _table(header, rows)
+            rows.append(
+                (
+                    name,
+                    target,
+                    *(format_bytes(r.device[f]) for f in ("temp", "argument", "output", "alias")),
+                    format_bytes(r.total),
+                    *(format_bytes(r.host[f]) for f in ("temp", "argument", "output")),
+                    format_bytes(r.total - first[target]),
+                )
+            )
+        return "Compiled memory per device (total = temp + argument + output - alias)\n" + _table(
+            header, rows
+        )
 
     __repr__ = __str__
 
@@ -417,7 +454,11 @@ def compare_memory(
     reports: dict[tuple[str, str], MemoryReport] = {}
     for t in resolved:
         for name, program in programs.items():
-            if not isinstance(program, tuple) or len(program) not in (2, 3) or not isinstance(program[1], tuple):
+            if (
+                not isinstance(program, tuple)
+                or len(program) not in (2, 3)
+                or not isinstance(program[1], tuple)
+            ):
                 raise TypeError(_BAD_PROGRAM.format(name=name, value=program))
             fn, args, *rest = program
             options = dict(rest[0]) if rest else {}

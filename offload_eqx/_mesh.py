@@ -298,23 +298,7 @@ def output_shardings(
         candidates.append((treedef, per_leaf))
 
     out_treedef, _, out_mask = out_cell
-    placeholders = jax.tree_util.tree_unflatten(out_treedef, list(range(len(out_mask))))
-    matched: dict[int, tuple] = {}
-
-    def visit(subtree: Any) -> None:
-        indices, treedef = jax.tree_util.tree_flatten(subtree)
-        for candidate, per_leaf in candidates:
-            if treedef == candidate:
-                for index, info in zip(indices, per_leaf):
-                    if info is not None and out_mask[index]:
-                        matched.setdefault(index, info)
-                return
-        children = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)[0]
-        for child in children:
-            if child is not subtree:
-                visit(child)
-
-    visit(placeholders)
+    matched = _match_subtrees(out_treedef, candidates)
     dynamic_indices = [i for i, dynamic in enumerate(out_mask) if dynamic]
     result = []
     for index, aval in zip(dynamic_indices, out_avals):
@@ -325,3 +309,56 @@ def output_shardings(
         else:
             result.append(output_sharding(aval, mesh, memory))
     return tuple(result)
+
+
+def _match_subtrees(treedef: Any, candidates: list[tuple[Any, list]]) -> dict[int, Any]:
+    """For each leaf index of `treedef`, the information of the candidate leaf at the same
+    place in the first candidate structure that a subtree containing it has."""
+    placeholders = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    matched: dict[int, Any] = {}
+
+    def visit(subtree: Any) -> None:
+        indices, sub_treedef = jax.tree_util.tree_flatten(subtree)
+        for candidate, per_leaf in candidates:
+            if sub_treedef == candidate:
+                for index, info in zip(indices, per_leaf):
+                    if info is not None:
+                        matched.setdefault(index, info)
+                return
+        children = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)[0]
+        for child in children:
+            if child is not subtree:
+                visit(child)
+
+    visit(placeholders)
+    return matched
+
+
+def mirror_parameters(shardings: Any, state: Any, params: Any, mesh: AnyMesh) -> Any:
+    """Shard optimizer state shaped like the parameters (Adam's `mu` and `nu`) exactly
+    like them, keeping each leaf's planned memory kind. Other state keeps its planned
+    sharding (replicated, or its own spec)."""
+    infos = []
+    param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
+    for leaf in param_leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            infos.append((tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding.spec))
+        else:
+            infos.append(None)
+    state_leaves, state_treedef = jax.tree_util.tree_flatten(state)
+    matched = _match_subtrees(state_treedef, [(param_treedef, infos)])
+    planned, planned_treedef = jax.tree_util.tree_flatten(shardings, is_leaf=lambda x: x is None)
+    if len(planned) != len(state_leaves):
+        return shardings
+    result = []
+    for index, (leaf, sharding) in enumerate(zip(state_leaves, planned)):
+        info = matched.get(index)
+        if (
+            isinstance(sharding, NamedSharding)
+            and info is not None
+            and info[:2] == (tuple(np.shape(leaf)), np.dtype(leaf.dtype))
+        ):
+            sharding = NamedSharding(mesh, info[2], memory_kind=sharding.memory_kind)
+        result.append(sharding)
+    return jax.tree_util.tree_unflatten(planned_treedef, result)

@@ -6,14 +6,14 @@ the state, the gradients and the parameters that are host-typed to the device
 explicitly, runs the wrapped transformation there, and sends the new state back.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
 import optax
 
 from ._context import is_host_typed, to_device, to_host
-from ._placement import Memory, Placement, check_memory
+from ._placement import Placement, check_memory
 
 _METADATA_HOST = {"offload_eqx": Placement(memory="pinned_host", role="optimizer")}
 _METADATA_DEVICE = {"offload_eqx": Placement(memory="device", role="optimizer")}
@@ -57,7 +57,7 @@ def offload_optimizer(
     wrapper = OffloadedState if memory == "pinned_host" else DeviceState
 
     def init_fn(params):
-        from ._mesh import resolve_mesh
+        from ._mesh import mirror_parameters, resolve_mesh
         from ._place import planned_shardings  # late import: _place imports the plan
 
         params = eqx.filter(params, eqx.is_array)
@@ -74,6 +74,8 @@ def offload_optimizer(
         # The state goes on the parameters' mesh, each leaf sharded like its parameter.
         mesh = resolve_mesh([("params", params)])
         shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
+        if mesh is not None:
+            shardings = mirror_parameters(shardings, abstract, params, mesh)
 
         def init_placed(params):
             return jax.tree_util.tree_map(
@@ -106,7 +108,7 @@ def offload_optimizer(
         )
         return new_updates, type(state)(new_inner)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, cast(Any, update_fn))
 
 
 def apply_updates(model: Any, updates: Any) -> Any:

@@ -62,7 +62,11 @@ def place(
         if not type_matches(moved):
             # device_put returns an array already in place unchanged, even when its type
             # disagrees with its memory kind; retype it with an explicit move.
-            space = jax.memory.Space.Host if sharding.memory_kind == "pinned_host" else jax.memory.Space.Device
+            space = (
+                jax.memory.Space.Host
+                if sharding.memory_kind == "pinned_host"
+                else jax.memory.Space.Device
+            )
             moved = jax.device_put(moved, space)
         return moved
 

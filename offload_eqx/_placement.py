@@ -1,7 +1,7 @@
 """The vocabulary of placements: where an array leaf lives, declared on `eqx.Module` fields."""
 
 import dataclasses
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import equinox as eqx
 from jax.sharding import PartitionSpec
@@ -77,7 +77,7 @@ def field(
             "Drop `static=True`, or use `eqx.field(static=True)` without a memory."
         )
     metadata = dict(kwargs.pop("metadata", {}))
-    metadata[METADATA_KEY] = Placement(memory=memory, spec=spec)
+    metadata[METADATA_KEY] = Placement(memory=cast(Memory, memory), spec=spec)
     return eqx.field(metadata=metadata, **kwargs)
 
 

@@ -7,7 +7,7 @@ the regions and the optimizer wrapper act on, and it prints as a table.
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -104,13 +104,21 @@ def _walk(
             if declared is not None and _is_non_array_leaf(value):
                 raise ValueError(
                     _NON_ARRAY_FIELD.format(
-                        path=f"{module_path}.{f.name}", value=value, kind=type(value).__name__,
+                        path=f"{module_path}.{f.name}",
+                        value=value,
+                        kind=type(value).__name__,
                         memory=declared.memory,
                     )
                 )
             placement = declared or inherited
-            _walk(value, path + (jax.tree_util.GetAttrKey(f.name),), root, placement,
-                  placements, declared_activations)
+            _walk(
+                value,
+                path + (jax.tree_util.GetAttrKey(f.name),),
+                root,
+                placement,
+                placements,
+                declared_activations,
+            )
         return
     for key, child in _children(node):
         if child is node:  # a leaf that is not an array (a function, a string, ...)
@@ -118,9 +126,7 @@ def _walk(
         _walk(child, path + tuple(key), root, inherited, placements, declared_activations)
 
 
-def _effective_memory(
-    placement: Placement | None, leaf: Any, strategy: Strategy
-) -> Memory | None:
+def _effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy) -> Memory | None:
     if placement is None:
         return None
     mode = strategy.params if placement.role == "param" else strategy.optimizer
@@ -180,8 +186,11 @@ class Plan:
                 if first != policy:
                     raise ValueError(
                         _CONFLICTING_POLICIES.format(
-                            name=name, first=first, first_path=first_path,
-                            second=policy, second_path=module_path,
+                            name=name,
+                            first=first,
+                            first_path=first_path,
+                            second=policy,
+                            second_path=module_path,
                         )
                     )
                 continue
@@ -284,7 +293,7 @@ def _effective_policy(policy: Policy, strategy: Strategy) -> Policy:
     mode = strategy.activations
     if mode == "annotated":
         return policy
-    return {"save": "save", "remat": "remat", "offload": "offload"}[mode]
+    return cast(Policy, mode)
 
 
 def _is_fetch(prim: Any, params: dict) -> bool:
@@ -342,8 +351,12 @@ def format_plan(plan: Plan) -> str:
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     totals: dict[str, int] = {}
     for leaf in plan.leaves:
-        totals[leaf.memory or "(as given)"] = totals.get(leaf.memory or "(as given)", 0) + leaf.nbytes
-    lines.append("totals: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in sorted(totals.items())))
+        totals[leaf.memory or "(as given)"] = (
+            totals.get(leaf.memory or "(as given)", 0) + leaf.nbytes
+        )
+    lines.append(
+        "totals: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in sorted(totals.items()))
+    )
     if plan.activations:
         lines.append(
             "activations: "

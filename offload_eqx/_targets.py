@@ -178,7 +178,9 @@ def _devices(target: Target) -> tuple:
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
             _NO_PLATFORM.format(
-                target=target.name, platform=target.platform, error=str(e).split("\n")[0],
+                target=target.name,
+                platform=target.platform,
+                error=str(e).split("\n")[0],
                 extra=target.extra,
             )
         ) from None
@@ -210,7 +212,8 @@ def target_mesh(
             "'h100-8' or 'tpu-v5p-4'), or a smaller mesh."
         )
     return jax.sharding.Mesh(
-        np.array(devices[:count], dtype=object).reshape(shape), axis_names,
+        np.array(devices[:count], dtype=object).reshape(shape),
+        axis_names,
         axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names),
     )
 

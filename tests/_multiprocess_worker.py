@@ -85,7 +85,7 @@ def train(mesh, strategy=None, steps=3) -> dict:
     model = ox.place(make_model(jax.random.key(0)), strategy, mesh=mesh)
     x = shard(jnp.asarray(make_batch()), DATA, mesh)
     opt = make_optimizer()
-    opt_state = opt.init(model)
+    opt_state = ox.place(opt.init(model), strategy)  # the mesh is found on the arrays
     placed = shardings((model, opt_state))  # before the step donates the buffers
 
     @ox.filter_jit(strategy=strategy)  # the mesh is found on the placed arrays

@@ -17,7 +17,7 @@ import offload_eqx as ox
 
 
 class Layer(eqx.Module):
-    w1: Float[Array, "256 1024"] | Float[Array, "..."] = ox.field(memory="pinned_host")
+    w1: Float[Array, "..."] = ox.field(memory="pinned_host")
     w2: Float[Array, "..."] = ox.field(memory="pinned_host")
 
     def __call__(self, x):
@@ -79,11 +79,11 @@ def loop_model(key, depth=3, width=16) -> LoopModel:
 
 
 class Attention(eqx.Module):
+    heads: int = eqx.field(static=True)  # before ox.field(...)s: type checkers read those as defaults
     wq: jax.Array = ox.field(memory="pinned_host")
     wk: jax.Array = ox.field(memory="pinned_host")
     wv: jax.Array = ox.field(memory="pinned_host")
     wo: jax.Array = ox.field(memory="device")
-    heads: int = eqx.field(static=True)
 
     def __call__(self, x):
         seq, width = x.shape

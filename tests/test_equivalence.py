@@ -51,7 +51,9 @@ def _baseline(name):
 
 
 def _leaves_with_paths(tree):
-    return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    return [
+        (jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -77,10 +79,13 @@ def test_same_loss_gradients_and_trajectory(name, strategy):
         assert leaf.sharding.memory_kind == expected, leaf_plan.path
     strategy_object = ox.STRATEGIES[strategy]
     host_roles = {leaf.role for leaf in plan.leaves if leaf.memory == "pinned_host"}
-    assert ("param" in host_roles) == (strategy_object.params == "pinned_host" or (
-        strategy_object.params == "annotated"
-        and any(leaf.declared == "pinned_host" and leaf.role == "param" for leaf in plan.leaves)
-    ))
+    assert ("param" in host_roles) == (
+        strategy_object.params == "pinned_host"
+        or (
+            strategy_object.params == "annotated"
+            and any(leaf.declared == "pinned_host" and leaf.role == "param" for leaf in plan.leaves)
+        )
+    )
     if strategy_object.optimizer == "pinned_host":
         assert "optimizer" in host_roles
 

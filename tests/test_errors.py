@@ -19,21 +19,28 @@ def test_unknown_memory():
 
 
 def test_unknown_policy():
-    with pytest.raises(ValueError, match=r"activation 'x' the policy 'keep'; expected one of 'save', 'offload', 'remat'"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation 'x' the policy 'keep'; expected one of 'save', 'offload', 'remat'",
+    ):
         ox.activations(x="keep")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'q' the policy 'host'"):
         ox.annotate(scanned_model(jax.random.key(0)), lambda m: m, activations={"q": "host"})  # type: ignore[dict-item]
 
 
 def test_unknown_strategy_and_donate():
-    with pytest.raises(ValueError, match=r"Unknown strategy 'fast'; expected one of 'annotated', 'baseline'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown strategy 'fast'; expected one of 'annotated', 'baseline'"
+    ):
         ox.filter_jit(lambda m: m, strategy="fast")
     with pytest.raises(ValueError, match=r"donate='some'\): expected one of 'all'"):
         ox.filter_jit(lambda m: m, donate="some")  # type: ignore[arg-type]
 
 
 def test_memory_on_a_static_field():
-    with pytest.raises(ValueError, match=r"static=True.*cannot be placed in memory.*Drop `static=True`"):
+    with pytest.raises(
+        ValueError, match=r"static=True.*cannot be placed in memory.*Drop `static=True`"
+    ):
         ox.field(memory="pinned_host", static=True)
 
 
@@ -43,20 +50,28 @@ def test_memory_on_a_non_array_field():
         scale: float = ox.field(memory="pinned_host")
 
     model = Scaled(w=jnp.ones(3), scale=2.0)
-    with pytest.raises(ValueError, match=r"Field `tree.scale` is declared with `ox.field\(memory='pinned_host'\)` but holds 2.0 \(a float\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Field `tree.scale` is declared with `ox.field\(memory='pinned_host'\)` but holds 2.0 \(a float\)",
+    ):
         ox.place(model)
 
 
 def test_stacked_module_disagreeing_on_the_layer_axis():
     layers = Layer(w1=jnp.ones((3, 4, 8)), w2=jnp.ones((2, 8, 4)))
-    with pytest.raises(ValueError, match=r"disagree on the length of the layer axis 0: length 2: `stacked.w2`; length 3: `stacked.w1`"):
+    with pytest.raises(
+        ValueError,
+        match=r"disagree on the length of the layer axis 0: length 2: `stacked.w2`; length 3: `stacked.w1`",
+    ):
         ox.scan(layers, jnp.ones((2, 4)))
 
 
 def test_host_resident_leaf_scanned_over_axis_1():
     model = ox.place(scanned_model(jax.random.key(0)))
 
-    with pytest.raises(ValueError, match=r"axis=1\): `stacked.w1` is host-resident.*only be scanned over axis 0"):
+    with pytest.raises(
+        ValueError, match=r"axis=1\): `stacked.w1` is host-resident.*only be scanned over axis 0"
+    ):
         ox.scan(model.layers, jnp.ones((8, 16)), axis=1)
 
 
@@ -75,7 +90,10 @@ def test_declared_name_never_produced():
     def loss(model, x):
         return jnp.sum(ox.checkpoint(model, x))
 
-    with pytest.raises(ValueError, match=r"Activation 'y' is declared 'offload' by `model`, but the program never produces it \(names produced: \['x'\]\).*Fix the spelling"):
+    with pytest.raises(
+        ValueError,
+        match=r"Activation 'y' is declared 'offload' by `model`, but the program never produces it \(names produced: \['x'\]\).*Fix the spelling",
+    ):
         loss(model, jnp.ones((2, 4)))
 
 
@@ -86,7 +104,10 @@ def test_declared_name_produced_outside_regions():
     def loss(model, x):
         return jnp.sum(ox.name(x, "y")) + jnp.sum(model(x))
 
-    with pytest.raises(ValueError, match=r"Activation 'x' \(declared 'offload' by `model`\) is only produced outside"):
+    with pytest.raises(
+        ValueError,
+        match=r"Activation 'x' \(declared 'offload' by `model`\) is only produced outside",
+    ):
         loss(model, jnp.ones((2, 4)))
 
 
@@ -100,7 +121,10 @@ def test_same_name_two_policies():
         b: Saver
 
     model = Both(a=Named(w=jnp.ones((4, 4))), b=Saver(w=jnp.ones(4)))
-    with pytest.raises(ValueError, match=r"Activation 'x' is given two policies: 'offload' by `tree.a` and 'save' by `tree.b`"):
+    with pytest.raises(
+        ValueError,
+        match=r"Activation 'x' is given two policies: 'offload' by `tree.a` and 'save' by `tree.b`",
+    ):
         ox.plan(model)
 
 
@@ -115,14 +139,18 @@ def test_strategy_that_would_offload_nothing():
     def loss(model, x):
         return jnp.sum(ox.checkpoint(model, x))
 
-    with pytest.raises(ValueError, match=r"'offload_params' offloads parameters, but no array leaf is declared"):
+    with pytest.raises(
+        ValueError, match=r"'offload_params' offloads parameters, but no array leaf is declared"
+    ):
         loss(Plain(w=jnp.ones((4, 4))), jnp.ones((2, 4)))
 
     @ox.filter_jit(strategy="offload_activations")
     def loss2(model, x):
         return jnp.sum(ox.checkpoint(model, x))
 
-    with pytest.raises(ValueError, match=r"'offload_activations' offloads activations, but no module declares"):
+    with pytest.raises(
+        ValueError, match=r"'offload_activations' offloads activations, but no module declares"
+    ):
         loss2(Plain(w=jnp.ones((4, 4))), jnp.ones((2, 4)))
 
 
@@ -141,7 +169,10 @@ def test_host_resident_leaf_outside_any_region_and_state_stays_usable():
     opt_state = opt.init(good)
     step = make_step(opt, None, donate="all")
     x = jnp.ones((8, 16))
-    with pytest.raises(ValueError, match=r"host-resident array was used outside any `ox.scan`/`ox.checkpoint` region.*`model.layers.w1`"):
+    with pytest.raises(
+        ValueError,
+        match=r"host-resident array was used outside any `ox.scan`/`ox.checkpoint` region.*`model.layers.w1`",
+    ):
         step(bad, opt_state, x)
     # Nothing was donated or deleted: the same model and state still train.
     for leaf in jax.tree_util.tree_leaves((good, opt_state)):
@@ -162,7 +193,10 @@ def test_mistyped_host_argument():
     def forward(model, x):
         return model(x)
 
-    with pytest.raises(ValueError, match=r"Argument `model.layers.w1` is in 'pinned_host' memory but its type is `float32\[2,4,8\]`.*ox.place"):
+    with pytest.raises(
+        ValueError,
+        match=r"Argument `model.layers.w1` is in 'pinned_host' memory but its type is `float32\[2,4,8\]`.*ox.place",
+    ):
         forward(model, jnp.ones((3, 4)))
     # ox.place repairs it.
     fixed = ox.place(model)
@@ -173,7 +207,9 @@ def test_mistyped_host_argument():
 def test_wrong_optimizer_state():
     opt = make_optimizer()
     model = ox.place(scanned_model(jax.random.key(0)))
-    with pytest.raises(TypeError, match=r"the state is a tuple, not the state returned by this optimizer's `init`"):
+    with pytest.raises(
+        TypeError, match=r"the state is a tuple, not the state returned by this optimizer's `init`"
+    ):
         opt.update(model, (), model)
 
 

@@ -211,7 +211,9 @@ _TWO_DEVICES = textwrap.dedent(
 
 
 def test_array_committed_to_another_device_is_named():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
     result = subprocess.run(
         [sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, env=env, timeout=120
     )
@@ -255,10 +257,23 @@ def test_pytest_fixture_and_marker(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [
-            sys.executable, "-m", "pytest", "-q", "-p", "offload_eqx._pytest_plugin",
-            "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path / "test_user.py"),
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "offload_eqx._pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            str(tmp_path / "test_user.py"),
         ],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
     )
     out = result.stdout
     assert "2 failed, 2 passed" in out, out
@@ -270,4 +285,7 @@ def test_pytest_fixture_and_marker(tmp_path):
 def test_offenders_are_listed_without_running_anything():
     arguments = [("x", np.ones((2, 2), np.float32)), ("cfg", {"lr": 0.1, "w": jnp.ones(2)})]
     found = guard.upload_offenders(arguments)
-    assert found == ["`x` is a numpy.ndarray (float32[2, 2])", "`cfg['lr']` is a Python float (0.1)"]
+    assert found == [
+        "`x` is a numpy.ndarray (float32[2, 2])",
+        "`cfg['lr']` is a Python float (0.1)",
+    ]

@@ -54,7 +54,9 @@ def test_matches_plain_optax(name, strategy):
 
     for _ in range(3):
         model, state = step(model, state, x)
-    for a, b in zip(jax.tree_util.tree_leaves(to_numpy(model)), jax.tree_util.tree_leaves(to_numpy(reference))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(to_numpy(model)), jax.tree_util.tree_leaves(to_numpy(reference))
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # Non-scalar state in host memory, scalars (step counts, hyperparameters) on device.
     for leaf in jax.tree_util.tree_leaves(state):
@@ -75,7 +77,7 @@ def test_init_on_host_params_writes_state_straight_to_host():
 
 def test_device_declared_state():
     opt = ox.offload_optimizer(optax.adam(1e-3), memory="device")
-    state = opt.init(scanned_model(jax.random.key(0)))
+    state = opt.init(scanned_model(jax.random.key(0)))  # pyright: ignore[reportArgumentType]
     assert isinstance(state, ox.DeviceState)
     assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(state)} == {"device"}
 
@@ -93,5 +95,7 @@ def test_apply_updates_keeps_host_params_on_host_and_skips_none():
 
     new = apply(model, updates)
     assert new.layers.w1.sharding.memory_kind == "pinned_host"
-    np.testing.assert_allclose(np.asarray(new.layers.w1), np.asarray(model.layers.w1) + 1, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(new.layers.w1), np.asarray(model.layers.w1) + 1, rtol=1e-6
+    )
     np.testing.assert_array_equal(np.asarray(new.layers.w2), np.asarray(model.layers.w2))

@@ -1,0 +1,217 @@
+"""Memory reports: structure and errors on the CPU; the tutorial's savings, in direction and
+size, from the real XLA:GPU and XLA:TPU compilers (`-m deviceless`)."""
+
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import offload_eqx as ox
+from offload_eqx._memory import compare_memory, memory_report
+from offload_eqx._targets import TARGETS, Target, get_target
+
+MiB = 2**20
+LAYERS, BATCH, WIDTH, HIDDEN = 10, 256, 256, 1024
+PARAM_BYTES = 2 * LAYERS * WIDTH * HIDDEN * 4  # 20 MiB
+ACTIVATION_BYTES = LAYERS * BATCH * WIDTH * 4  # the offloaded x: 2.5 MiB
+
+
+class Layer(eqx.Module):
+    w1: jax.Array = ox.field(memory="device")
+    w2: jax.Array = ox.field(memory="device")
+
+    def __call__(self, x):
+        x = ox.name(x, "x")
+        return (x @ self.w1) @ self.w2
+
+
+class Model(eqx.Module):
+    layers: Layer
+    activations: ox.Activations = ox.activations(x="offload")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def grad_step(model, x):
+    return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
+
+
+def abstract_model(layers=LAYERS):
+    f32 = jnp.float32
+    w1 = jax.ShapeDtypeStruct((layers, WIDTH, HIDDEN), f32)
+    w2 = jax.ShapeDtypeStruct((layers, HIDDEN, WIDTH), f32)
+    return Model(Layer(w1, w2)), jax.ShapeDtypeStruct((BATCH, WIDTH), f32)
+
+
+def report(strategy, target):
+    model, x = abstract_model()
+    return memory_report(ox.filter_jit(grad_step, strategy=strategy), model, x, target=target)
+
+
+# -- CPU: structure and errors ---------------------------------------------------------------
+
+
+def test_report_structure_and_total():
+    r = report("baseline", "cpu")
+    assert r.target == "cpu"
+    assert set(r.device) == set(r.host) == {"temp", "argument", "output", "alias", "generated_code"}
+    d = r.device
+    assert r.total == d["temp"] + d["argument"] + d["output"] - d["alias"]
+    assert d["argument"] == PARAM_BYTES + BATCH * WIDTH * 4
+    assert PARAM_BYTES <= d["output"] < PARAM_BYTES + 1024  # plus the output tuple
+    assert r.as_dict()["total"] == r.total
+    assert "device" in str(r) and "host" in str(r)
+
+
+def test_plain_function_with_memories_and_donation():
+    def f(w, x):
+        return jnp.sum(x @ jax.device_put(w, jax.memory.Space.Device)), x + 1
+
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    r = memory_report(
+        jax.jit(f), w, x, target="cpu", in_memory=("pinned_host", None), donate_argnums=(1,)
+    )
+    assert r.name == "f"
+    assert r.device["argument"] == 2 * 64 * 64 * 4  # CPU counts host arguments as device
+    assert r.device["alias"] == 64 * 64 * 4
+
+
+def test_compare_memory_table():
+    model, x = abstract_model(layers=2)
+    comparison = compare_memory(
+        {
+            "baseline": (ox.filter_jit(grad_step, strategy="baseline"), (model, x)),
+            "remat": (ox.filter_jit(grad_step, strategy="remat"), (model, x)),
+        },
+        target="cpu",
+    )
+    text = str(comparison)
+    assert "baseline" in text and "remat" in text and "vs first" in text
+    reports = comparison.reports
+    assert reports[("remat", "cpu")].device["temp"] < reports[("baseline", "cpu")].device["temp"]
+    assert len(comparison.as_dict()) == 2
+
+
+def test_unknown_target_lists_known_targets():
+    with pytest.raises(ValueError, match=r"Unknown target 'h200'; expected one of 'cpu', 'h100'"):
+        report("baseline", "h200")
+    with pytest.raises(ValueError, match="Unknown target"):
+        compare_memory({}, target=["cpu", "v100"])
+
+
+@pytest.mark.parametrize(
+    "target, module, extra",
+    [("h100", "jax_plugins.xla_cuda12", "cuda"), ("tpu-v5p", "libtpu", "tpu")],
+)
+def test_missing_extra_names_the_extra_and_pip_command(monkeypatch, target, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    pattern = rf"optional extra '{extra}'.*pip install 'offload_eqx\[{extra}\]'"
+    with pytest.raises(ImportError, match=pattern):
+        report("baseline", target)
+
+
+def test_bad_memory_and_bad_program():
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"in_memory gives memory 'gpu'.*expected one of"):
+        memory_report(lambda w: w * 2, w, target="cpu", in_memory="gpu")
+    with pytest.raises(TypeError, match=r"program 'p' is"):
+        compare_memory({"p": (lambda w: w,)}, target="cpu")
+    with pytest.raises(ValueError, match="compiled from its plan"):
+        memory_report(ox.filter_jit(lambda w: w * 2), w, target="cpu", in_memory="device")
+
+
+def test_targets_are_described():
+    assert {"cpu", "h100", "h100-8", "tpu-v5p", "tpu-v5p-4"} <= set(TARGETS)
+    assert get_target(TARGETS["h100"]) is TARGETS["h100"]
+    assert isinstance(get_target("a100"), Target) and get_target("a100").extra == "cuda"
+
+
+# -- deviceless: the tutorial's savings from the real compilers -------------------------------
+
+DEVICELESS = ["h100", "tpu-v5p"]
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("target", DEVICELESS)
+def test_activation_offload_cuts_device_temp(target):
+    baseline, offload = report("baseline", target), report("offload_activations", target)
+    # The offloaded x lives in host memory: exactly its bytes.
+    assert baseline.host["temp"] == 0
+    assert offload.host["temp"] == ACTIVATION_BYTES
+    # The device temp falls by at least the bytes moved to the host (h100 18.50 -> 5.50 MiB,
+    # tpu-v5p 17.69 -> 11.28 MiB), and nothing else changes.
+    assert baseline.device["temp"] - offload.device["temp"] >= ACTIVATION_BYTES
+    assert offload.device["argument"] == baseline.device["argument"]
+    assert offload.total < baseline.total
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("target", DEVICELESS)
+def test_parameter_offload_moves_parameters_to_host_arguments(target):
+    activations, hybrid = report("offload_activations", target), report("hybrid", target)
+    assert activations.device["argument"] - hybrid.device["argument"] == PARAM_BYTES
+    assert hybrid.host["argument"] - activations.host["argument"] == PARAM_BYTES
+    # The gradients of host-resident parameters are host-typed: host outputs.
+    assert PARAM_BYTES <= hybrid.host["output"] < PARAM_BYTES + 1024
+    assert hybrid.total < 8 * MiB  # h100 6.51 MiB, tpu-v5p 5.09 MiB (tutorial: 25.00)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("target", DEVICELESS)
+def test_host_argument_compiles_as_host_memory(target):
+    """The silent trap: on compile-only GPUs a `pinned_host` sharding built on the concrete
+    mesh becomes device memory. The report must show it as host argument bytes."""
+
+    def f(w, x):
+        return x @ jax.device_put(w, jax.memory.Space.Device)
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    x = jax.ShapeDtypeStruct((128, 512), jnp.float32)
+    r = memory_report(
+        f, w, x, target=target, in_memory=("pinned_host", "device"), out_memory="pinned_host"
+    )
+    assert r.host["argument"] == 512 * 512 * 4
+    assert r.device["argument"] == 128 * 512 * 4
+    assert r.host["output"] == 128 * 512 * 4
+    assert r.device["output"] == 0
+
+
+@pytest.mark.deviceless
+def test_optimizer_offload_moves_state_to_host_arguments():
+    dim = 256
+    p = dim * dim * 4
+
+    class MLP(eqx.Module):
+        w1: jax.Array = ox.field()
+        w2: jax.Array = ox.field()
+
+        def __call__(self, x):
+            return jax.nn.gelu(jax.nn.gelu(x @ self.w1) @ self.w2)
+
+    opt = ox.offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)))
+    w = jax.ShapeDtypeStruct((dim, dim), jnp.float32)
+    model = MLP(w, w)
+    state = eqx.filter_eval_shape(opt.init, model)
+
+    def step(model, state, x):
+        grads = jax.grad(lambda m: jnp.mean((m(x) - x) ** 2))(model)
+        updates, state = opt.update(grads, state, model)
+        return ox.apply_updates(model, updates), state
+
+    reports = {
+        s: memory_report(
+            ox.filter_jit(step, strategy=s, donate="all"), model, state, w, target="h100"
+        )
+        for s in ("baseline", "offload_optimizer")
+    }
+    baseline, offload = reports["baseline"], reports["offload_optimizer"]
+    # Adam's mu and nu of both weights: 4P move from device to host arguments (the count
+    # scalar stays on the device).
+    assert baseline.device["argument"] - offload.device["argument"] == 4 * p
+    assert offload.host["argument"] == 4 * p
+    assert 4 * p <= offload.host["output"] < 4 * p + 1024

@@ -1,0 +1,314 @@
+"""Beyond one device: placements with partition specs on an 8-device CPU mesh and across
+two processes give the same losses, gradients and updates as one device.
+
+The 8-device tests need `--xla_force_host_platform_device_count=8` before JAX starts, so
+unless it is already set, the first of them runs this whole file once in a child pytest
+with the flag, and each test here reports its child's outcome. The two-process test
+launches `_multiprocess_worker.py` twice itself.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _multiprocess_worker import (
+    DATA,
+    DEPTH,
+    FSDP,
+    HIDDEN,
+    WIDTH,
+    gather,
+    make_model,
+    make_optimizer,
+    train,
+)
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import offload_eqx as ox
+from offload_eqx._mesh import shard  # `ox.shard` once exported
+
+pytestmark = pytest.mark.multidevice
+
+HERE = Path(__file__).parent
+EIGHT = "--xla_force_host_platform_device_count=8"
+IN_CHILD = EIGHT in os.environ.get("XLA_FLAGS", "")
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+CHILD_TIMEOUT = 300
+WORKER_TIMEOUT = 120
+
+
+# -- running the 8-device tests in a child process -------------------------------------
+
+
+@functools.cache
+def _child_outcomes() -> dict[str, tuple[str, str]]:
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {EIGHT}".strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        command = [
+            sys.executable, "-m", "pytest", str(Path(__file__)), "-m", "multidevice", "-q",
+            "-p", "no:cacheprovider", "-k", "not two_processes", f"--junitxml={report}",
+        ]
+        try:
+            done = subprocess.run(
+                command, env=env, cwd=HERE.parent, capture_output=True, text=True,
+                timeout=CHILD_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"The 8-device child pytest took more than {CHILD_TIMEOUT} s:\n{e.stdout}")
+        if not report.exists():
+            pytest.fail(f"The 8-device child pytest wrote no report:\n{done.stdout}\n{done.stderr}")
+        outcomes = {}
+        for case in ElementTree.parse(report).iter("testcase"):
+            problems = [c for c in case if c.tag in ("failure", "error", "skipped")]
+            if problems:
+                outcomes[case.get("name")] = (problems[0].tag, problems[0].text or "")
+            else:
+                outcomes[case.get("name")] = ("passed", "")
+    return outcomes
+
+
+def on_eight_devices(test):
+    """Run the test on 8 CPU devices: here if JAX already has them, else in the child."""
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        if IN_CHILD:
+            assert jax.device_count() == 8
+            return test(*args, **kwargs)
+        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
+        outcome, text = _child_outcomes().get(name, ("missing", "the child did not run it"))
+        if outcome == "skipped":
+            pytest.skip(text)
+        if outcome != "passed":
+            pytest.fail(f"On 8 devices ({outcome}):\n{text}", pytrace=False)
+
+    return wrapper
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _mesh(axis_type: str = "auto", shape=(2, 4)):
+    return jax.make_mesh(shape, ("data", "fsdp"), axis_types=(AXIS_TYPES[axis_type],) * 2)
+
+
+def _one_device_mesh():
+    return jax.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+
+
+@functools.cache
+def _reference():
+    """Everything `train` computes on one device, under the all-device baseline."""
+    run = train(_one_device_mesh(), "baseline")
+    return {key: gather(run[key]) for key in ("grads", "model", "opt_state", "updates")} | {
+        "losses": [float(loss) for loss in run["losses"]]
+    }
+
+
+def _assert_close(ours, reference, what):
+    pairs = zip(
+        jax.tree_util.tree_leaves_with_path(ours), jax.tree_util.tree_leaves_with_path(reference)
+    )
+    for (path, a), (_, b) in pairs:
+        np.testing.assert_allclose(
+            a, b, rtol=2e-5, atol=1e-6, err_msg=f"{what}{jax.tree_util.keystr(path)}"
+        )
+
+
+def _specs_and_memories(tree):
+    return jax.tree_util.tree_map(
+        lambda s: (s.spec, s.memory_kind), tree, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+
+
+# -- 8 devices ---------------------------------------------------------------------------
+
+
+@on_eight_devices
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_place_shards_parameters_and_optimizer_state(axis_type):
+    mesh = _mesh(axis_type)
+    model = ox.place(make_model(jax.random.key(0)), mesh=mesh)
+    w1 = model.layers.w1
+    assert w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+    assert jax.typeof(w1).memory_space == jax.memory.Space.Host
+    assert len(w1.addressable_shards) == 8 and w1.addressable_shards[0].data.shape == (
+        DEPTH, WIDTH // 4, HIDDEN,
+    )
+    assert model.layers.bias.sharding == NamedSharding(mesh, P(), memory_kind="device")
+    # Given once: the plan, the optimizer and later calls find the mesh on the arrays.
+    assert ox.plan(model).mesh == mesh
+    opt_state = make_optimizer().init(model)
+    adam = opt_state.inner[1][0]
+    assert adam.mu.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+    assert adam.nu.layers.w2.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+    assert adam.count.sharding == NamedSharding(mesh, P(), memory_kind="device")
+    assert adam.mu.layers.bias.sharding.spec == P()
+
+
+@on_eight_devices
+@pytest.mark.parametrize(
+    "axis_type, strategy",
+    [("auto", s) for s in ox.STRATEGIES] + [("explicit", "annotated"), ("explicit", "hybrid")],
+)
+def test_every_strategy_matches_one_device(axis_type, strategy):
+    mesh = _mesh(axis_type)
+    run = train(mesh, strategy)
+    reference = _reference()
+    np.testing.assert_allclose([float(x) for x in run["losses"]], reference["losses"], rtol=2e-5)
+    for key in ("grads", "updates", "model", "opt_state"):
+        _assert_close(gather(run[key]), reference[key], key)
+
+    # Outputs keep their shardings and memory kinds: step after step, every leaf of the
+    # model and of the optimizer state is exactly where `ox.place`/`opt.init` put it.
+    final = jax.tree_util.tree_map(
+        lambda x: x.sharding, eqx.filter((run["model"], run["opt_state"]), eqx.is_array)
+    )
+    assert _specs_and_memories(final) == _specs_and_memories(run["placed"])
+    plan = run["step"].plan(run["model"], run["opt_state"], run["x"])
+    assert plan.mesh == mesh
+    for leaf_plan, leaf in zip(plan.leaves, jax.tree_util.tree_leaves(run["model"])):
+        assert leaf.sharding.memory_kind == (leaf_plan.memory or "device"), leaf_plan.path
+    assert run["model"].layers.w1.sharding.spec == FSDP
+    # Gradients and updates are sharded like their parameters.
+    assert run["grads"].layers.w1.sharding.spec == FSDP
+    assert run["updates"].layers.w2.sharding.spec == FSDP
+    assert run["x"].sharding == NamedSharding(mesh, DATA)
+
+
+@on_eight_devices
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_shard_constrains_activations_inside_a_step(axis_type):
+    mesh = _mesh(axis_type)
+    model = ox.place(make_model(jax.random.key(0)), mesh=mesh)
+
+    @ox.filter_jit
+    def forward(model, x):
+        return shard(model(x), P("data", None))  # the step's mesh, found on the model
+
+    x = shard(jnp.ones((8, WIDTH)), DATA, mesh)
+    out = forward(model, x)
+    assert out.sharding.spec == P("data", None) and out.sharding.mesh == mesh
+    text = forward.lower(model, x).as_text()
+    assert "sharding" in text
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def _layer_with(spec, w1_shape=(DEPTH, WIDTH, HIDDEN)):
+    class Custom(eqx.Module):
+        w1: jax.Array = ox.field(memory="pinned_host", spec=spec)
+
+    return Custom(w1=jnp.ones(w1_shape))
+
+
+def test_spec_without_a_mesh_is_an_error():
+    with pytest.raises(ValueError, match=r"`tree.layers.w1` has the partition spec .*no mesh"):
+        ox.place(make_model(jax.random.key(0)))
+
+
+def test_mesh_option_must_be_a_mesh():
+    with pytest.raises(TypeError, match=r"ox.filter_jit\(mesh=...\) was given .*expected a"):
+        ox.filter_jit(lambda x: x, mesh=("data", "fsdp"))
+
+
+@on_eight_devices
+def test_spec_naming_a_missing_axis_is_an_error():
+    layer = _layer_with(P(None, "fsdpp", None))
+    with pytest.raises(
+        ValueError, match=r"`tree.w1` .*names the mesh axis 'fsdpp', but the mesh has the axes "
+        r"'data', 'fsdp'"
+    ):
+        ox.place(layer, mesh=_mesh())
+
+
+@on_eight_devices
+def test_spec_that_does_not_divide_the_array_is_an_error():
+    layer = _layer_with(FSDP, w1_shape=(DEPTH, 6, HIDDEN))
+    with pytest.raises(
+        ValueError, match=r"`tree.w1` of shape \(3, 6, 32\) .*dimension 1 \(size 6\) over the "
+        r"mesh axes 'fsdp', that is over 4 devices"
+    ):
+        ox.place(layer, mesh=_mesh())
+    with pytest.raises(ValueError, match=r"has only 3 dimensions"):
+        ox.place(_layer_with(P(None, None, None, "data")), mesh=_mesh())
+
+
+@on_eight_devices
+def test_arrays_from_two_meshes_is_an_error():
+    model = ox.place(make_model(jax.random.key(0)), mesh=_mesh())
+    other = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    x = shard(jnp.ones((8, WIDTH)), DATA, other)
+
+    @ox.filter_jit
+    def forward(model, x):
+        return model(x)
+
+    with pytest.raises(ValueError, match=r"two different meshes: `model.layers.w1` is on .*`x`"):
+        forward(model, x)
+    with pytest.raises(ValueError, match=r"the mesh given as `mesh=` is on .*`tree.layers.w1`"):
+        ox.place(model, mesh=other)
+
+
+# -- two processes -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env.pop("JAX_NUMPY_DTYPE_PROMOTION", None)  # optax's Adam promotes a Python float
+    port = _free_port()
+    outputs = [tmp_path / f"process{i}.json" for i in range(2)]
+    logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_multiprocess_worker.py"), str(port), str(i), str(out)],
+            env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
+        )
+        for i, (out, log) in enumerate(zip(outputs, logs))
+    ]
+    try:
+        codes = [worker.wait(timeout=WORKER_TIMEOUT) for worker in workers]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        for log in logs:
+            log.close()
+    if codes != [0, 0]:
+        text = "\n".join((tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(2))
+        pytest.fail(f"Worker exit codes {codes} (None: timed out):\n{text}", pytrace=False)
+
+    results = [json.loads(out.read_text()) for out in outputs]
+    run = train(_one_device_mesh())  # the same annotated step in this one process
+    expected_params = [leaf.tolist() for leaf in jax.tree_util.tree_leaves(gather(run["model"]))]
+    for result in results:
+        assert result["memories"] == {
+            "w1": "pinned_host", "w1_spec": str(FSDP), "addressable": False,
+        }
+        np.testing.assert_allclose(result["losses"], [float(x) for x in run["losses"]], rtol=2e-5)
+        for ours, expected in zip(result["params"], expected_params):
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), rtol=2e-5, atol=1e-6)
+
