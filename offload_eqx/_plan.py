@@ -346,9 +346,9 @@ def format_plan(plan: Plan) -> str:
     ]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = [f"Plan (strategy {plan.strategy.name!r})"]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     totals: dict[str, int] = {}
     for leaf in plan.leaves:
         totals[leaf.memory or "(as given)"] = (
