@@ -2,6 +2,14 @@
 
 from ._activations import Activations as Activations, activations as activations, name as name
 from ._annotate import annotate as annotate
+from ._audit import ContractError as ContractError
+from ._audit import Transfer as Transfer
+from ._audit import TransferReport as TransferReport
+from ._audit import Violation as Violation
+from ._audit import audit as audit
+from ._audit import host_compute as host_compute
+from ._guard import ImplicitTransferError as ImplicitTransferError
+from ._guard import no_implicit_transfers as no_implicit_transfers
 from ._jit import filter_jit as filter_jit
 from ._optimizer import (
     DeviceState as DeviceState,

