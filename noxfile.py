@@ -74,7 +74,7 @@ def experiments(session: nox.Session) -> None:
     session.install("-e", ".[experiments,cuda,tpu]")
     size = "--full" if "--full" in session.posargs else "--smoke"
     for script in sorted(os.listdir("experiments")):
-        if script.endswith(".py"):
+        if script.endswith(".py") and not script.startswith("_"):
             session.run("python", f"experiments/{script}", size, env=CPU_ENV)
 
 

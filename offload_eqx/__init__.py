@@ -21,6 +21,9 @@ from ._place import place as place
 from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._regions import checkpoint as checkpoint, scan as scan
-from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
+from ._strategy import STRATEGIES as STRATEGIES
+from ._targets import TARGETS as TARGETS
+from ._targets import Target as Target
+from ._targets import register_target as register_target, Strategy as Strategy
 
 __version__ = "0.1.0"
