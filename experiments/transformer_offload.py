@@ -309,8 +309,15 @@ def measure(config: Config, target: str, strategy: str, batch: int, state=None) 
     except Exception as error:  # the TPU compiler refuses programs larger than HBM
         if not _out_of_memory(error):
             raise
-        return {"batch": batch, "fits": False, "total": None, "host_total": None,
-                "device": None, "host": None, "compile_s": time.perf_counter() - start}
+        return {
+            "batch": batch,
+            "fits": False,
+            "total": None,
+            "host_total": None,
+            "device": None,
+            "host": None,
+            "compile_s": time.perf_counter() - start,
+        }
     return {
         "batch": batch,
         "fits": report.total <= CAPACITY[target],
@@ -322,8 +329,9 @@ def measure(config: Config, target: str, strategy: str, batch: int, state=None) 
     }
 
 
-def largest_batch(measure_at: Callable[[int], dict], capacity: int, first: dict,
-                  budget: int) -> dict:
+def largest_batch(
+    measure_at: Callable[[int], dict], capacity: int, first: dict, budget: int
+) -> dict:
     """The largest batch whose step fits `capacity`, with at most `budget` more compiles.
 
     Device memory is nearly linear in the batch, so each probe is the batch where the line
@@ -374,6 +382,7 @@ def deviceless(config: Config, targets: list[str], budget: int) -> list[dict]:
     rows = []
     for target in targets:
         for strategy in STRATEGIES:
+
             def measure_at(batch, target=target, strategy=strategy):
                 return measure(config, target, strategy, batch, state)
 
@@ -381,10 +390,13 @@ def deviceless(config: Config, targets: list[str], budget: int) -> list[dict]:
             row = {"config": config.name, "target": target, "strategy": strategy, **first}
             row["search"] = largest_batch(measure_at, CAPACITY[target], first, budget)
             rows.append(row)
-            print(f"  {config.name} {target:8s} {strategy:14s} batch 1: "
-                  f"{_gb(first['total'])} GB device, {_gb(first['host_total'])} GB host, "
-                  f"{first['compile_s']:.1f} s; max batch {row['search']['max_batch']}"
-                  f" ({len(row['search']['probes'])} compiles)", flush=True)
+            print(
+                f"  {config.name} {target:8s} {strategy:14s} batch 1: "
+                f"{_gb(first['total'])} GB device, {_gb(first['host_total'])} GB host, "
+                f"{first['compile_s']:.1f} s; max batch {row['search']['max_batch']}"
+                f" ({len(row['search']['probes'])} compiles)",
+                flush=True,
+            )
     return rows
 
 
@@ -413,8 +425,13 @@ def train_on_cpu(steps: int = 4, batch: int = 4, config: Config = CONFIGS["tiny"
         name: float(np.max(np.abs(np.asarray(history) - reference) / np.abs(reference)))
         for name, history in losses.items()
     }
-    return {"config": dataclasses.asdict(config), "steps": steps, "batch": batch,
-            "losses": losses, "max_rel_diff": differences}
+    return {
+        "config": dataclasses.asdict(config),
+        "steps": steps,
+        "batch": batch,
+        "losses": losses,
+        "max_rel_diff": differences,
+    }
 
 
 # -- reporting --------------------------------------------------------------------------
@@ -427,25 +444,55 @@ def _gb(n: int | None) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-                      *map(line, rows)])
+    return "\n".join(
+        [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
+    )
 
 
 def memory_table(rows: list[dict]) -> str:
-    header = ["config", "target", "strategy", "temp GB", "argument GB", "output GB",
-              "alias GB", "device total GB", "host total GB", "compile s"]
+    header = [
+        "config",
+        "target",
+        "strategy",
+        "temp GB",
+        "argument GB",
+        "output GB",
+        "alias GB",
+        "device total GB",
+        "host total GB",
+        "compile s",
+    ]
     body = []
     for r in rows:
         d = r["device"] or {}
-        body.append([r["config"], r["target"], r["strategy"], _gb(d.get("temp")),
-                     _gb(d.get("argument")), _gb(d.get("output")), _gb(d.get("alias")),
-                     _gb(r["total"]), _gb(r["host_total"]), f"{r['compile_s']:.1f}"])
+        body.append(
+            [
+                r["config"],
+                r["target"],
+                r["strategy"],
+                _gb(d.get("temp")),
+                _gb(d.get("argument")),
+                _gb(d.get("output")),
+                _gb(d.get("alias")),
+                _gb(r["total"]),
+                _gb(r["host_total"]),
+                f"{r['compile_s']:.1f}",
+            ]
+        )
     return _table(header, body)
 
 
 def batch_table(rows: list[dict]) -> str:
-    header = ["config", "target", "capacity GB", "strategy", "max batch", "device GB at max",
-              "compiles", "probes (batch: device GB, x = does not fit)"]
+    header = [
+        "config",
+        "target",
+        "capacity GB",
+        "strategy",
+        "max batch",
+        "device GB at max",
+        "compiles",
+        "probes (batch: device GB, x = does not fit)",
+    ]
     body = []
     for r in rows:
         s = r["search"]
@@ -453,15 +500,27 @@ def batch_table(rows: list[dict]) -> str:
             f"{p['batch']}: {_gb(p['total'])}{'' if p['fits'] else ' x'}" for p in s["probes"]
         )
         best = str(s["max_batch"]) + ("" if s["exact"] else " (at least)")
-        body.append([r["config"], r["target"], _gb(CAPACITY[r["target"]]), r["strategy"], best,
-                     _gb(s["total_at_max"]), str(len(s["probes"])), probes])
+        body.append(
+            [
+                r["config"],
+                r["target"],
+                _gb(CAPACITY[r["target"]]),
+                r["strategy"],
+                best,
+                _gb(s["total_at_max"]),
+                str(len(s["probes"])),
+                probes,
+            ]
+        )
     return _table(header, body)
 
 
 def loss_table(cpu: dict) -> str:
     header = ["strategy", *(f"loss {i + 1}" for i in range(cpu["steps"])), "max rel diff"]
-    body = [[name, *(f"{x:.6f}" for x in history), f"{cpu['max_rel_diff'][name]:.1e}"]
-            for name, history in cpu["losses"].items()]
+    body = [
+        [name, *(f"{x:.6f}" for x in history), f"{cpu['max_rel_diff'][name]:.1e}"]
+        for name, history in cpu["losses"].items()
+    ]
     return _table(header, body)
 
 
@@ -473,8 +532,9 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["config"], r["target"]) for r in rows},
-                    key=lambda g: (list(CONFIGS).index(g[0]), g[1]))
+    groups = sorted(
+        {(r["config"], r["target"]) for r in rows}, key=lambda g: (list(CONFIGS).index(g[0]), g[1])
+    )
     names = list(STRATEGIES)
     width = 0.8 / len(groups)
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -486,11 +546,14 @@ def plot(rows: list[dict], path: Path) -> None:
         best = [by_name[n]["search"]["max_batch"] if n in by_name else 0 for n in names]
         label = f"{group[0]} {group[1]}"
         bars = left.bar(x, device, width, label=label)
-        left.bar(x, host, width, bottom=device, color=bars[0].get_facecolor(), alpha=0.3,
-                 hatch="//")
+        left.bar(
+            x, host, width, bottom=device, color=bars[0].get_facecolor(), alpha=0.3, hatch="//"
+        )
         right.bar(x, best, width, label=label)
-    for axis, title in ((left, "device GB at batch 1 (hatched: host GB)"),
-                        (right, "largest batch that fits")):
+    for axis, title in (
+        (left, "device GB at batch 1 (hatched: host GB)"),
+        (right, "largest batch that fits"),
+    ):
         axis.set_xticks(np.arange(len(names)), names, rotation=20)
         axis.set_title(title)
         axis.legend(fontsize=8)
@@ -511,8 +574,9 @@ def _available(target: str) -> bool:
         return False
 
 
-def run(configs: list[str], targets: list[str], budget: int, cpu_steps: int,
-        out: Path = RESULTS) -> dict:
+def run(
+    configs: list[str], targets: list[str], budget: int, cpu_steps: int, out: Path = RESULTS
+) -> dict:
     """Compile-only memory and largest batch per (config, target, strategy), then the CPU
     equal-loss check; print the tables, write JSON and a plot into `out`."""
     started = time.perf_counter()
@@ -520,9 +584,12 @@ def run(configs: list[str], targets: list[str], budget: int, cpu_steps: int,
     rows: list[dict] = []
     for name in configs:
         config = CONFIGS[name]
-        print(f"{name}: {config.parameters / 1e9:.2f}B parameters, {config.layers} layers, "
-              f"d {config.dim}, ffn {config.ffn}, heads {config.heads}, seq {config.seq}, "
-              "bf16", flush=True)
+        print(
+            f"{name}: {config.parameters / 1e9:.2f}B parameters, {config.layers} layers, "
+            f"d {config.dim}, ffn {config.ffn}, heads {config.heads}, seq {config.seq}, "
+            "bf16",
+            flush=True,
+        )
         rows += deviceless(config, targets, budget)
     cpu = train_on_cpu(steps=cpu_steps)
     worst = max(cpu["max_rel_diff"].values())
@@ -534,22 +601,30 @@ def run(configs: list[str], targets: list[str], budget: int, cpu_steps: int,
         print(memory_table(rows))
         print("\nLargest batch that fits one chip")
         print(batch_table(rows))
-    print(f"\nTiny decoder on the CPU ({cpu['config']['dim']} wide, {cpu['config']['layers']} "
-          f"layers, float32, batch {cpu['batch']}): losses per step")
+    print(
+        f"\nTiny decoder on the CPU ({cpu['config']['dim']} wide, {cpu['config']['layers']} "
+        f"layers, float32, batch {cpu['batch']}): losses per step"
+    )
     print(loss_table(cpu))
-    print(f"\nmax relative loss difference against no_remat: {worst:.1e}; "
-          f"total time {elapsed:.0f} s")
+    print(
+        f"\nmax relative loss difference against no_remat: {worst:.1e}; total time {elapsed:.0f} s"
+    )
 
     results = {
-        "configs": {n: {**dataclasses.asdict(CONFIGS[n]), "parameters": CONFIGS[n].parameters}
-                    for n in configs},
+        "configs": {
+            n: {**dataclasses.asdict(CONFIGS[n]), "parameters": CONFIGS[n].parameters}
+            for n in configs
+        },
         "strategies": {n: dataclasses.asdict(s) for n, s in STRATEGIES.items()},
         "capacity": CAPACITY,
         "deviceless": rows,
         "cpu": cpu,
         "elapsed_s": elapsed,
-        "versions": {"jax": jax.__version__, "equinox": eqx.__version__,
-                     "optax": optax.__version__},
+        "versions": {
+            "jax": jax.__version__,
+            "equinox": eqx.__version__,
+            "optax": optax.__version__,
+        },
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "transformer_offload.json").write_text(json.dumps(results, indent=1))
@@ -562,8 +637,9 @@ def run(configs: list[str], targets: list[str], budget: int, cpu_steps: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true",
-                      help="1B only, two probes per batch search (a few minutes)")
+    size.add_argument(
+        "--smoke", action="store_true", help="1B only, two probes per batch search (a few minutes)"
+    )
     size.add_argument("--full", action="store_true", help="1B, 3B and 8B, six probes")
     parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
     parser.add_argument("--targets", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
@@ -576,8 +652,12 @@ def main() -> None:
         configs, budget = ["1B"], 2
     else:
         configs, budget = ["1B"], 4
-    run(args.configs or configs, args.targets,
-        args.probes if args.probes is not None else budget, args.cpu_steps)
+    run(
+        args.configs or configs,
+        args.targets,
+        args.probes if args.probes is not None else budget,
+        args.cpu_steps,
+    )
 
 
 if __name__ == "__main__":

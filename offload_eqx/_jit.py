@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-
 from jax.core import Tracer
 
 from ._activations import recording
@@ -159,8 +158,8 @@ class _JitWrapper:
             entry = self._cache.get(key)
         except TypeError as e:
             raise TypeError(
-                f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array argument is not hashable "
-                f"({e}). Non-array leaves are static (part of the compile cache key), so "
+                f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array "
+                f"argument is not hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
                 "they must be hashable: pass arrays for values that change, or make the "
                 "object hashable."
             ) from None

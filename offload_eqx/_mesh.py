@@ -98,8 +98,10 @@ def resolve_mesh(roots: Iterable[tuple[str, Any]], given: AnyMesh | None = None)
             elif mesh != found[1]:
                 raise ValueError(
                     _TWO_MESHES.format(
-                        first=found[0], first_mesh=describe_mesh(found[1]),
-                        second=format_path(root, path), second_mesh=describe_mesh(mesh),
+                        first=found[0],
+                        first_mesh=describe_mesh(found[1]),
+                        second=format_path(root, path),
+                        second_mesh=describe_mesh(mesh),
                     )
                 )
     if given is not None:
@@ -115,9 +117,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,)
 
 
-def spec_problem(
-    path: str, shape: Sequence[int], spec: PartitionSpec, mesh: AnyMesh
-) -> str | None:
+def spec_problem(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: AnyMesh) -> str | None:
     """Why `spec` cannot shard an array of `shape` over `mesh`, or None if it can."""
     sizes = dict(mesh.shape)
     for entry in spec:
@@ -134,8 +134,13 @@ def spec_problem(
         count = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
         if size % count:
             return _INDIVISIBLE.format(
-                path=path, shape=tuple(shape), spec=spec, dim=dim, size=size,
-                axes=", ".join(repr(a) for a in axes), count=count,
+                path=path,
+                shape=tuple(shape),
+                spec=spec,
+                dim=dim,
+                size=size,
+                axes=", ".join(repr(a) for a in axes),
+                count=count,
                 sizes=", ".join(f"{a!r}: {sizes[a]}" for a in axes),
             )
     return None
@@ -197,9 +202,7 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    if sharding.is_fully_addressable or (
-        isinstance(x, jax.Array) and not x.is_fully_addressable
-    ):
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     value = np.asarray(x)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

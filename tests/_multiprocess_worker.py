@@ -99,8 +99,14 @@ def train(mesh, strategy=None, steps=3) -> dict:
         model, opt_state, loss, updates = step(model, opt_state, x)
         losses.append(loss)
     return dict(
-        placed=placed, x=x, grads=grads, model=model, opt_state=opt_state,
-        losses=losses, updates=updates, step=step,
+        placed=placed,
+        x=x,
+        grads=grads,
+        model=model,
+        opt_state=opt_state,
+        losses=losses,
+        updates=updates,
+        step=step,
     )
 
 
@@ -125,7 +131,9 @@ def gather(tree):
 def main(port: int, process_id: int, output: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
         initialization_timeout=60,
     )
     assert jax.device_count() == 8 and jax.local_device_count() == 4

@@ -79,7 +79,9 @@ def loop_model(key, depth=3, width=16) -> LoopModel:
 
 
 class Attention(eqx.Module):
-    heads: int = eqx.field(static=True)  # before ox.field(...)s: type checkers read those as defaults
+    heads: int = eqx.field(
+        static=True
+    )  # before ox.field(...)s: type checkers read those as defaults
     wq: jax.Array = ox.field(memory="pinned_host")
     wk: jax.Array = ox.field(memory="pinned_host")
     wv: jax.Array = ox.field(memory="pinned_host")

@@ -304,7 +304,9 @@ def test_unwrapped_optax_state_meets_host_typed_gradients():
 
     state = jax.eval_shape(adam.init, Dense(jnp.zeros((8, 8))))
     assert all(leaf.memory is None for leaf in step.plan(dense(), state, X).leaves[1:-1])
-    with pytest.raises(ContractError, match=r"`model\.w` is host-resident.*its gradient.*ox.offload_optimizer"):
+    with pytest.raises(
+        ContractError, match=r"`model\.w` is host-resident.*its gradient.*ox.offload_optimizer"
+    ):
         audit(step, dense(), state, X)
 
 

@@ -33,8 +33,7 @@ from _multiprocess_worker import (
     make_optimizer,
     train,
 )
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import offload_eqx as ox
 from offload_eqx._mesh import shard  # `ox.shard` once exported
@@ -58,12 +57,26 @@ def _child_outcomes() -> dict[str, tuple[str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         command = [
-            sys.executable, "-m", "pytest", str(Path(__file__)), "-m", "multidevice", "-q",
-            "-p", "no:cacheprovider", "-k", "not two_processes", f"--junitxml={report}",
+            sys.executable,
+            "-m",
+            "pytest",
+            str(Path(__file__)),
+            "-m",
+            "multidevice",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not two_processes",
+            f"--junitxml={report}",
         ]
         try:
             done = subprocess.run(
-                command, env=env, cwd=HERE.parent, capture_output=True, text=True,
+                command,
+                env=env,
+                cwd=HERE.parent,
+                capture_output=True,
+                text=True,
                 timeout=CHILD_TIMEOUT,
             )
         except subprocess.TimeoutExpired as e:
@@ -146,7 +159,9 @@ def test_place_shards_parameters_and_optimizer_state(axis_type):
     assert w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
     assert jax.typeof(w1).memory_space == jax.memory.Space.Host
     assert len(w1.addressable_shards) == 8 and w1.addressable_shards[0].data.shape == (
-        DEPTH, WIDTH // 4, HIDDEN,
+        DEPTH,
+        WIDTH // 4,
+        HIDDEN,
     )
     assert model.layers.bias.sharding == NamedSharding(mesh, P(), memory_kind="device")
     # Given once: the plan, the optimizer and later calls find the mesh on the arrays.
@@ -231,8 +246,9 @@ def test_mesh_option_must_be_a_mesh():
 def test_spec_naming_a_missing_axis_is_an_error():
     layer = _layer_with(P(None, "fsdpp", None))
     with pytest.raises(
-        ValueError, match=r"`tree.w1` .*names the mesh axis 'fsdpp', but the mesh has the axes "
-        r"'data', 'fsdp'"
+        ValueError,
+        match=r"`tree.w1` .*names the mesh axis 'fsdpp', but the mesh has the axes "
+        r"'data', 'fsdp'",
     ):
         ox.place(layer, mesh=_mesh())
 
@@ -241,8 +257,9 @@ def test_spec_naming_a_missing_axis_is_an_error():
 def test_spec_that_does_not_divide_the_array_is_an_error():
     layer = _layer_with(FSDP, w1_shape=(DEPTH, 6, HIDDEN))
     with pytest.raises(
-        ValueError, match=r"`tree.w1` of shape \(3, 6, 32\) .*dimension 1 \(size 6\) over the "
-        r"mesh axes 'fsdp', that is over 4 devices"
+        ValueError,
+        match=r"`tree.w1` of shape \(3, 6, 32\) .*dimension 1 \(size 6\) over the "
+        r"mesh axes 'fsdp', that is over 4 devices",
     ):
         ox.place(layer, mesh=_mesh())
     with pytest.raises(ValueError, match=r"has only 3 dimensions"):
@@ -259,7 +276,9 @@ def test_arrays_from_two_meshes_is_an_error():
     def forward(model, x):
         return model(x)
 
-    with pytest.raises(ValueError, match=r"two different meshes .*: `model.layers.w1` is on .*`x` is on"):
+    with pytest.raises(
+        ValueError, match=r"two different meshes .*: `model.layers.w1` is on .*`x` is on"
+    ):
         forward(model, x)
     with pytest.raises(ValueError, match=r"the mesh given as `mesh=` is on .*`tree.layers.w1`"):
         ox.place(model, mesh=other)
@@ -275,7 +294,9 @@ def _free_port() -> int:
 
 
 def test_two_processes_match_one_process(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
     env.pop("JAX_NUMPY_DTYPE_PROMOTION", None)  # optax's Adam promotes a Python float
     port = _free_port()
     outputs = [tmp_path / f"process{i}.json" for i in range(2)]
@@ -283,7 +304,10 @@ def test_two_processes_match_one_process(tmp_path):
     workers = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_multiprocess_worker.py"), str(port), str(i), str(out)],
-            env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+            cwd=HERE.parent,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         for i, (out, log) in enumerate(zip(outputs, logs))
     ]
@@ -307,9 +331,10 @@ def test_two_processes_match_one_process(tmp_path):
     expected_params = [leaf.tolist() for leaf in jax.tree_util.tree_leaves(gather(run["model"]))]
     for result in results:
         assert result["memories"] == {
-            "w1": "pinned_host", "w1_spec": str(FSDP), "addressable": False,
+            "w1": "pinned_host",
+            "w1_spec": str(FSDP),
+            "addressable": False,
         }
         np.testing.assert_allclose(result["losses"], [float(x) for x in run["losses"]], rtol=2e-5)
         for ours, expected in zip(result["params"], expected_params):
             np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), rtol=2e-5, atol=1e-6)
-

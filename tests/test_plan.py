@@ -28,9 +28,11 @@ def test_plan_reads_fields_and_strategies_override_by_role():
 def test_plan_printout_lists_path_shape_dtype_bytes_memory():
     text = str(ox.plan(loop_model(jax.random.key(0)), "hybrid"))
     assert "Plan (strategy 'hybrid')" in text
-    rows = [r"tree.blocks\[0\].weight +16x16 +float32 +1.00 KiB +pinned_host +pinned_host",
-            r"tree.blocks\[0\].bias +16 +float32 +64 B +pinned_host +device",
-            r"tree.head +16x4 +float32 +256 B +\(as given\) +-"]
+    rows = [
+        r"tree.blocks\[0\].weight +16x16 +float32 +1.00 KiB +pinned_host +pinned_host",
+        r"tree.blocks\[0\].bias +16 +float32 +64 B +pinned_host +device",
+        r"tree.head +16x4 +float32 +256 B +\(as given\) +-",
+    ]
     for row in rows:
         assert re.search(row, text), row
     assert "activations: h=offload" in text

@@ -14,7 +14,9 @@ def test_readme_example_runs_and_prints_its_plan():
     example = _blocks("python")[0]
     namespace: dict = {}
     exec(compile(example, str(README), "exec"), namespace)
-    printed = str(namespace["step"].plan(namespace["model"], namespace["opt_state"], namespace["x"]))
+    printed = str(
+        namespace["step"].plan(namespace["model"], namespace["opt_state"], namespace["x"])
+    )
     shown = re.search(r"```\n(Plan \(strategy.*?)```", README.read_text(), flags=re.DOTALL)
     assert shown is not None, "README shows no plan printout"
     assert printed.strip() == shown.group(1).strip()
