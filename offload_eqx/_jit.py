@@ -159,7 +159,8 @@ class _JitWrapper:
         except TypeError as e:
             raise TypeError(
                 f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array "
-                f"argument is not hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
+                f"argument is not hashable ({e}). Non-array leaves are static (part of the "
+                "compile cache key), so "
                 "they must be hashable: pass arrays for values that change, or make the "
                 "object hashable."
             ) from None
