@@ -18,7 +18,7 @@ from jax.core import Tracer
 
 from ._activations import recording
 from ._context import type_matches, using_plan
-from ._mesh import check_mesh, output_sharding, output_shardings
+from ._mesh import check_mesh, output_sharding, output_shardings, put, same_place
 from ._plan import Plan, format_path
 from ._strategy import Strategy, resolve_strategy
 
@@ -39,6 +39,7 @@ _MISTYPED = (
     "`ox.place(...)`, or `jax.device_put(x, jax.memory.Space.Host)`."
 )
 _MEMORY_MISMATCH = "Memory kinds passed to jax.jit does not match"
+_SHARDING_MISMATCH = "Sharding passed to jit does not match"
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -172,7 +173,7 @@ class _JitWrapper:
         try:
             out = entry.jitted(*dynamic)
         except ValueError as e:
-            if _MEMORY_MISMATCH not in str(e):
+            if _MEMORY_MISMATCH not in str(e) and _SHARDING_MISMATCH not in str(e):
                 raise
             # Arguments not yet where the plan puts them (e.g. a new strategy on a model
             # placed for another): move them once, explicitly. The outputs come back in
@@ -334,10 +335,11 @@ class _JitWrapper:
 
 
 def _move(dynamic: list, shardings: tuple) -> list:
-    """Explicitly move the arguments whose memory kind differs from the plan's."""
+    """Explicitly move the arguments whose memory kind (or, over a mesh, whose sharding)
+    differs from the plan's."""
     return [
-        jax.device_put(x, s)
-        if s is not None and isinstance(x, jax.Array) and x.sharding.memory_kind != s.memory_kind
+        put(x, s)
+        if s is not None and isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim)
         else x
         for x, s in zip(dynamic, shardings)
     ]

@@ -16,6 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._plan import LeafPlan, format_path
@@ -195,6 +196,16 @@ def output_sharding(aval: Any, mesh: AnyMesh, memory: str) -> NamedSharding | No
     return None
 
 
+def same_place(current: jax.sharding.Sharding, planned: jax.sharding.Sharding, ndim: int) -> bool:
+    """Whether an argument is where the plan puts it. Off a mesh only the memory kind is
+    compared (as before meshes); over a mesh the sharding too."""
+    if current.memory_kind != planned.memory_kind:
+        return False
+    if isinstance(planned, NamedSharding) and planned.mesh.size > 1:
+        return current.is_equivalent_to(planned, ndim)
+    return True
+
+
 def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """`jax.device_put`, also onto a mesh spanning several processes.
 
@@ -237,7 +248,7 @@ def shard(
             "`jax.sharding.PartitionSpec`, e.g. `P('data')`."
         )
     leaves = jax.tree_util.tree_flatten_with_path(x)[0]
-    traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in leaves)
+    traced = any(isinstance(leaf, Tracer) for _, leaf in leaves)
     if mesh is None:
         plan = active_plan() if traced else None
         mesh = None if plan is None else plan.mesh

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _multiprocess_worker import (
+    BATCH,
     DATA,
     DEPTH,
     FSDP,
@@ -31,6 +32,7 @@ from _multiprocess_worker import (
     gather,
     make_model,
     make_optimizer,
+    make_step,
     train,
 )
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -167,7 +169,7 @@ def test_place_shards_parameters_and_optimizer_state(axis_type):
     # Given once: the plan, the optimizer and later calls find the mesh on the arrays.
     assert ox.plan(model).mesh == mesh
     opt_state = make_optimizer().init(model)
-    adam = opt_state.inner[1][0]
+    adam = opt_state.inner[1][0]  # pyright: ignore[reportAttributeAccessIssue]
     assert adam.mu.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
     assert adam.nu.layers.w2.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
     assert adam.count.sharding == NamedSharding(mesh, P(), memory_kind="device")
@@ -221,6 +223,37 @@ def test_shard_constrains_activations_inside_a_step(axis_type):
     assert "sharding" in text
 
 
+@on_eight_devices
+def test_a_mesh_given_to_filter_jit_moves_unplaced_arguments_once():
+    mesh = _mesh()
+
+    @ox.filter_jit(mesh=mesh)
+    def forward(model, x):
+        return model, jnp.mean(model(x) ** 2)
+
+    model, loss = forward(make_model(jax.random.key(0)), jnp.ones((BATCH, WIDTH)))
+    assert model.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+    model, _ = forward(model, shard(jnp.ones((BATCH, WIDTH)), DATA, mesh))
+    assert model.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+
+
+@on_eight_devices
+def test_audit_on_a_mesh():
+    mesh = _mesh()
+    model = ox.place(make_model(jax.random.key(0)), mesh=mesh)
+    opt = make_optimizer()
+    opt_state = opt.init(model)
+    x = shard(jnp.ones((BATCH, WIDTH)), DATA, mesh)
+    step = make_step(opt)
+    report = ox.audit(step, model, opt_state, x)
+    report.assert_no_implicit()
+    assert report.total("device-to-host") > 0
+    audited = make_step(opt, donate="none")
+    audited = ox.filter_jit(audited.fn, audit=True)  # the guard, with arguments on a mesh
+    model, opt_state, loss, _ = audited(model, opt_state, x)
+    assert model.layers.w1.sharding.spec == FSDP and np.isfinite(float(loss))
+
+
 # -- bad input ---------------------------------------------------------------------------
 
 
@@ -239,7 +272,7 @@ def test_spec_without_a_mesh_is_an_error():
 def test_mesh_option_must_be_a_mesh():
     # Under the tests' runtime type checking the annotation catches it first.
     with pytest.raises(TypeError, match=r"mesh"):
-        ox.filter_jit(lambda x: x, mesh=("data", "fsdp"))
+        ox.filter_jit(lambda x: x, mesh=("data", "fsdp"))  # pyright: ignore[reportArgumentType]
 
 
 @on_eight_devices

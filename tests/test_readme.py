@@ -20,3 +20,16 @@ def test_readme_example_runs_and_prints_its_plan():
     shown = re.search(r"```\n(Plan \(strategy.*?)```", README.read_text(), flags=re.DOTALL)
     assert shown is not None, "README shows no plan printout"
     assert printed.strip() == shown.group(1).strip()
+
+
+def test_readme_audit_table_is_what_the_audit_prints():
+    import offload_eqx as ox
+
+    example = _blocks("python")[0]
+    namespace: dict = {}
+    exec(compile(example, str(README), "exec"), namespace)
+    report = ox.audit(namespace["step"], namespace["model"], namespace["opt_state"], namespace["x"])
+    printed = "\n".join(line.rstrip() for line in report.table().splitlines())
+    shown = re.search(r"```\n(Transfers per call.*?)```", README.read_text(), flags=re.DOTALL)
+    assert shown is not None, "README shows no audit report"
+    assert printed.strip() == shown.group(1).strip()
