@@ -364,9 +364,10 @@ def largest_batch(
             candidate = 2 * max(low, 1) if high is None else (low + high) // 2
         candidate = max(candidate, low + 1)
         if high is None:
-            # Never jump more than 8x past the largest fit: a nearly flat line (memory
-            # that hardly grows with the batch) would otherwise predict absurd batches.
-            candidate = min(candidate, 8 * max(low, 1))
+            # Never jump more than 64x past the largest fit: a nearly flat line (memory
+            # that hardly grows with the batch) would otherwise predict batches so large
+            # that the GPU compiler fails to tile the GEMMs.
+            candidate = min(candidate, 64 * max(low, 1))
         else:
             candidate = min(candidate, high - 1)
         probes[candidate] = measure_at(candidate)
@@ -589,6 +590,7 @@ def run(
     budget: int | dict[str, int],
     cpu_steps: int,
     out: Path = RESULTS,
+    tag: str = "",
 ) -> dict:
     """Compile-only memory and largest batch per (config, target, strategy), then the CPU
     equal-loss check; print the tables, write JSON and a plot into `out`.
@@ -646,10 +648,11 @@ def run(
         },
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transformer_offload.json").write_text(json.dumps(results, indent=1))
+    stem = "transformer_offload" + (f"_{tag}" if tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     if rows:
-        plot(rows, out / "transformer_offload.png")
-    print(f"wrote {out / 'transformer_offload.json'}" + (" and .png" if rows else ""))
+        plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json" + (" and .png" if rows else ""))
     return results
 
 
@@ -668,6 +671,7 @@ def main() -> None:
         "--probes", type=int, help="compiles per batch search after batch 1 (every target)"
     )
     parser.add_argument("--cpu-steps", type=int, default=4)
+    parser.add_argument("--tag", default="", help="suffix of the result files")
     args = parser.parse_args()
     # A TPU v5p compile takes 30-80 s on a 2-core machine (an H100 one 3-10 s), so the
     # smoke run only measures batch 1 there.
@@ -682,6 +686,7 @@ def main() -> None:
         args.targets,
         args.probes if args.probes is not None else budget,
         args.cpu_steps,
+        tag=args.tag,
     )
 
 

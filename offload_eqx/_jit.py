@@ -199,10 +199,13 @@ class _JitWrapper:
             outputs[key] = outputs.get(key, 0) + 1
         donated = []
         for i, (leaf, leaf_plan) in enumerate(zip(dynamic, plan.leaves)):
-            if i < first or not isinstance(leaf, jax.Array):
-                continue
+            if i < first or isinstance(leaf, (np.ndarray, np.generic)):
+                continue  # numpy arguments are copied in anyway: nothing to donate
+            current = getattr(leaf, "sharding", None)  # a ShapeDtypeStruct may have none
             host = leaf_plan.memory == "pinned_host" or (
-                leaf_plan.memory is None and leaf.sharding.memory_kind == "pinned_host"
+                leaf_plan.memory is None
+                and current is not None
+                and current.memory_kind == "pinned_host"
             )
             key = (leaf_plan.shape, leaf_plan.dtype, host)
             if outputs.get(key, 0) == 0:

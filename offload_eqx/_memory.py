@@ -186,8 +186,6 @@ def _from_filter_jit(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> _Progra
         leaf_plan.memory or _own_memory(leaf) for leaf, leaf_plan in zip(leaves, plan.leaves)
     ]
     donate = entry.donate_argnums
-    if wrapper.donate != "none" and any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        donate = _donated_abstract(wrapper, args, plan, memories, entry.out_avals)
     mesh = plan.mesh
     return _Program(
         flat=entry.flat,
@@ -200,34 +198,6 @@ def _from_filter_jit(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> _Progra
         donate_argnums=tuple(donate),
         mesh_shape=dict(mesh.shape) if mesh is not None else None,
     )
-
-
-def _donated_abstract(wrapper, args, plan, memories, out_avals) -> tuple[int, ...]:
-    """`ox.filter_jit`'s donation rule for abstract arguments (the core's skips leaves that
-    are not `jax.Array`s): a leaf is donated when an output of the same shape, dtype and
-    memory can reuse it, never a host leaf shaped like a device output."""
-    first = 0
-    if wrapper.donate == "all-except-first" and args:
-        first = sum(1 for leaf in jax.tree_util.tree_leaves(args[0]) if _is_dynamic(leaf))
-    outputs: dict[tuple, int] = {}
-    for aval in out_avals:
-        host = getattr(aval, "memory_space", None) == jax.memory.Space.Host
-        key = (tuple(aval.shape), np.dtype(aval.dtype), host)
-        outputs[key] = outputs.get(key, 0) + 1
-    device_outputs = {(shape, dtype) for shape, dtype, host in outputs if not host}
-    donated = []
-    for i, (leaf_plan, memory) in enumerate(zip(plan.leaves, memories)):
-        if i < first:
-            continue
-        host = memory == "pinned_host"
-        shape, dtype = tuple(leaf_plan.shape), np.dtype(leaf_plan.dtype)
-        if host and (shape, dtype) in device_outputs:
-            continue
-        if outputs.get((shape, dtype, host), 0) == 0:
-            continue
-        outputs[(shape, dtype, host)] -= 1
-        donated.append(i)
-    return tuple(donated)
 
 
 def _is_jit_object(fn: Any) -> bool:
