@@ -177,7 +177,11 @@ class _JitWrapper:
                 raise
             # Arguments not yet where the plan puts them (e.g. a new strategy on a model
             # placed for another): move them once, explicitly. The outputs come back in
-            # planned memory, so the next call moves nothing.
+            # planned memory, so the next call moves nothing. Under audit, a cached step
+            # that keeps receiving misplaced arguments is an error: it would copy them on
+            # every call.
+            if self.audit:
+                _raise_misplaced(entry, dynamic)
             out = entry.jitted(*_move(dynamic, entry.in_shardings))
         return entry.rebuild(out)
 
@@ -335,6 +339,23 @@ class _JitWrapper:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
         return self.trace(*args, **kwargs).lower()
+
+
+def _raise_misplaced(entry: Compilation, dynamic: list) -> None:
+    from ._guard import ImplicitTransferError
+
+    misplaced = [
+        f"`{leaf_plan.path}` is in {x.sharding.memory_kind!r}, planned {s.memory_kind!r}"
+        for x, s, leaf_plan in zip(dynamic, entry.in_shardings, entry.plan.leaves)
+        if s is not None and isinstance(x, jax.Array) and x.sharding.memory_kind != s.memory_kind
+    ]
+    if misplaced:
+        raise ImplicitTransferError(
+            "Arguments of a compiled step are not in their planned memory: "
+            + "; ".join(misplaced)
+            + ". They would be copied on every call. Pass the step's own outputs back in, "
+            "or place the arguments once before the loop: `ox.place(tree, strategy)`."
+        )
 
 
 def _move(dynamic: list, shardings: tuple) -> list:

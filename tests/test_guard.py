@@ -289,3 +289,18 @@ def test_offenders_are_listed_without_running_anything():
         "`x` is a numpy.ndarray (float32[2, 2])",
         "`cfg['lr']` is a Python float (0.1)",
     ]
+
+
+def test_audit_refuses_misplaced_arguments_on_a_cached_step():
+    from helpers import scanned_model
+
+    model = scanned_model(jax.random.key(0))
+    step = ox.filter_jit(lambda model, x: model(x), audit=True)
+    x = jnp.ones((8, 16))
+    step(model, x)  # first call: moved once, explicitly, to the planned pinned_host
+    with pytest.raises(
+        ImplicitTransferError,
+        match=r"`model.layers.w1` is in 'device', planned 'pinned_host'.*ox.place",
+    ):
+        step(model, x)  # the same device-resident model again: would copy every call
+    step(ox.place(model), x)  # placed once: fine
