@@ -26,6 +26,7 @@ from ._memory import (
     compare_memory as compare_memory,
     memory_report as memory_report,
 )
+from ._mesh import shard as shard
 from ._optimizer import (
     DeviceState as DeviceState,
     OffloadedState as OffloadedState,

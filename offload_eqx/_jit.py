@@ -407,7 +407,7 @@ def filter_jit(
     *,
     strategy: "str | Strategy | None" = None,
     donate: str = "none",
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     audit: bool = False,
 ) -> Any:
     """`eqx.filter_jit` that compiles the placement plan of its arguments.

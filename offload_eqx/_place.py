@@ -15,7 +15,7 @@ def planned_shardings(
     tree: Any,
     strategy: "str | Strategy | None" = None,
     *,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     name: str = "tree",
 ) -> Any:
     """A pytree like `tree` holding each array leaf's planned sharding (None elsewhere)."""
@@ -37,7 +37,7 @@ def place(
     tree: Any,
     strategy: "str | Strategy | None" = None,
     *,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> Any:
     """Move every array leaf of `tree` to the memory (and sharding) its plan gives it.
 

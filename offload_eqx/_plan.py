@@ -384,7 +384,7 @@ def plan(
     tree: Any,
     strategy: "str | Strategy | None" = None,
     *,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     name: str = "tree",
 ) -> Plan:
     """The plan for one pytree (a model, an optimizer state, or a tuple of them)."""

@@ -38,7 +38,8 @@ from _multiprocess_worker import (
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import offload_eqx as ox
-from offload_eqx._mesh import shard  # `ox.shard` once exported
+
+shard = ox.shard
 
 pytestmark = pytest.mark.multidevice
 
@@ -371,3 +372,16 @@ def test_two_processes_match_one_process(tmp_path):
         np.testing.assert_allclose(result["losses"], [float(x) for x in run["losses"]], rtol=2e-5)
         for ours, expected in zip(result["params"], expected_params):
             np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), rtol=2e-5, atol=1e-6)
+
+
+@on_eight_devices
+def test_readme_mesh_example_runs_as_written():
+    import re
+
+    readme = (HERE.parent / "README.md").read_text()
+    (example,) = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+        if block.startswith("# A mesh:")
+    ]
+    exec(compile(example, "README.md", "exec"), {})
