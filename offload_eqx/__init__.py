@@ -37,6 +37,11 @@ from ._place import place as place
 from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._regions import checkpoint as checkpoint, scan as scan
+from ._sequential import (
+    SequentialState as SequentialState,
+    check_per_leaf as check_per_leaf,
+    sequential_offload_optimizer as sequential_offload_optimizer,
+)
 from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._targets import TARGETS as TARGETS, Target as Target, register_target as register_target
 
