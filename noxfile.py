@@ -14,7 +14,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "tests", "deviceless", "multidevice"]
+nox.options.sessions = ["lint", "typecheck", "tests", "deviceless", "multidevice"]
 
 PYTHON = "3.11"
 # A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;

@@ -215,7 +215,8 @@ class TransferReport:
                     f"assert_only: expectation {item!r} should be (direction, what[, bytes"
                     "[, phase]]), e.g. ('d2h', 'x', 2.5 * 2**20)."
                 )
-            direction, what, nbytes, phase = (*item, None, None)[:4]
+            direction, what, *rest = item
+            nbytes, phase = (*rest, None, None)[:2]
             matched = self.select(direction, what, phase=phase)
             claimed.update(id(t) for t in matched)
             label = f"{_direction(direction)} {what!r}" + (f" ({phase})" if phase else "")
@@ -289,8 +290,9 @@ class TransferReport:
             "violations": [dataclasses.asdict(v) for v in self.violations],
         }
 
-    def to_json(self, **kwargs) -> str:
-        return json.dumps(self.as_dict(), **({"indent": 2} | kwargs))
+    def to_json(self, **kwargs: Any) -> str:
+        options: dict[str, Any] = {"indent": 2} | kwargs
+        return json.dumps(self.as_dict(), **options)
 
 
 def _direction(direction: str) -> str:
@@ -613,7 +615,7 @@ class _Walker:
 
 # -- the entry point -------------------------------------------------------------------
 
-_ROLE_KIND = {"param": "parameter", "optimizer": "optimizer"}
+_ROLE_KIND: dict[str | None, str] = {"param": "parameter", "optimizer": "optimizer"}
 _HOST_USE = (
     "ox.audit({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
     "that mixes memory spaces (`{error}`): either {it} is used outside any "
@@ -886,6 +888,8 @@ def _check_devices(args, kwargs, wrapper: _JitWrapper, walker: _Walker) -> None:
     from ._guard import device_offenders
 
     offenders, majority = device_offenders(_labels(wrapper.fn, args, kwargs))
+    if majority is None:  # no offenders
+        return
     for path, leaf in offenders:
         devices = ", ".join(str(d) for d in leaf.sharding.device_set)
         walker.violate(

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from ._context import type_matches
 from ._plan import format_path
@@ -97,7 +98,7 @@ def device_offenders(
     arrays = [
         (path, leaf)
         for path, leaf in _flatten(arguments)
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer)
     ]
     weight: dict[tuple, int] = {}
     for _, leaf in arrays:
@@ -112,7 +113,7 @@ def device_offenders(
 def _check_arguments(arguments: Sequence[tuple[str, Any]]) -> None:
     """What the transfer guard cannot see, checked before the call."""
     offenders, majority = device_offenders(arguments)
-    if offenders:
+    if offenders and majority is not None:
         described = ", ".join(
             f"`{p}` ({jax.typeof(x).str_short()}) is on "
             + ", ".join(str(d) for d in _devices_of(x))
@@ -128,7 +129,7 @@ def _check_arguments(arguments: Sequence[tuple[str, Any]]) -> None:
             )
         )
     for path, leaf in _flatten(arguments):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
             if not type_matches(leaf):
                 typed = (
                     "host" if jax.typeof(leaf).memory_space == jax.memory.Space.Host else "device"
@@ -201,7 +202,7 @@ def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -
         )
     if "Disallowed device-to-device transfer" in message:
         offenders, majority = device_offenders(arguments or [])
-        if offenders:
+        if offenders and majority is not None:
             described = ", ".join(
                 f"`{p}` is on {', '.join(map(str, _devices_of(x)))}" for p, x in offenders
             )

@@ -123,6 +123,8 @@ def _device_of(leaves: list) -> Any:
 
 
 class _JitWrapper:
+    __name__: str  # set by `functools.update_wrapper`
+
     def __init__(self, fn: Callable, strategy: Strategy, donate: Donate, mesh, audit: bool):
         self.fn = fn
         self.audit = audit

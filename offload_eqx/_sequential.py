@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -18,6 +18,8 @@ from offload_eqx._audit import ContractError, TransferReport, audit
 
 MiB = 2**20
 S = jax.ShapeDtypeStruct
+# The models here are built from `ShapeDtypeStruct`s (nothing is allocated).
+ArrayOrSpec = Array | jax.ShapeDtypeStruct
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 
@@ -26,8 +28,8 @@ DEVICE = jax.memory.Space.Device
 
 
 class Layer(eqx.Module):
-    w1: Float[Array, "layers 256 1024"] = ox.field(memory="pinned_host")
-    w2: Float[Array, "layers 1024 256"] = ox.field(memory="pinned_host")
+    w1: Float[ArrayOrSpec, "layers 256 1024"] = ox.field(memory="pinned_host")
+    w2: Float[ArrayOrSpec, "layers 1024 256"] = ox.field(memory="pinned_host")
 
     def __call__(self, x):
         x = ox.name(x, "x")
@@ -192,14 +194,14 @@ def test_nested_scans_multiply_and_cond_takes_the_largest_branch():
 
 
 class Dense(eqx.Module):
-    w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+    w: Float[ArrayOrSpec, "d d"] = ox.field(memory="pinned_host")
 
     def __call__(self, x):
         return jnp.tanh(x @ self.w)
 
 
 class NamedDense(eqx.Module):
-    w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+    w: Float[ArrayOrSpec, "d d"] = ox.field(memory="pinned_host")
 
     def __call__(self, x):
         return jnp.tanh(ox.name(x * 2, "h") @ self.w)
@@ -379,7 +381,7 @@ def test_strategy_saves_but_a_hand_written_policy_offloads():
     )
 
     class HandRemat(eqx.Module):
-        w: Float[Array, "d d"] = ox.field(memory="pinned_host")
+        w: Float[ArrayOrSpec, "d d"] = ox.field(memory="pinned_host")
         activations: ox.Activations = ox.activations(h="offload")
 
         def __call__(self, x):

@@ -174,7 +174,7 @@ def test_no_false_alarm_on_any_strategy(strategy: str):
 def test_unrelated_errors_pass_through():
     with pytest.raises(ZeroDivisionError):
         with no_implicit_transfers():
-            1 / 0
+            _ = 1 / 0
 
 
 # -- two devices: an array committed elsewhere (subprocess) ----------------------------------
