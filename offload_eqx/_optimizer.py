@@ -6,6 +6,7 @@ the state, the gradients and the parameters that are host-typed to the device
 explicitly, runs the wrapped transformation there, and sends the new state back.
 """
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import equinox as eqx
@@ -13,6 +14,7 @@ import jax
 import optax
 
 from ._context import is_host_typed, to_device, to_host
+from ._mesh import mirror_parameters, resolve_mesh
 from ._placement import Placement, check_memory
 
 _METADATA_HOST = {"offload_eqx": Placement(memory="pinned_host", role="optimizer")}
@@ -30,6 +32,34 @@ class DeviceState(eqx.Module):
     """Like `OffloadedState`, declared `"device"`: strategies may still offload it."""
 
     inner: Any = eqx.field(metadata=_METADATA_DEVICE)
+
+
+def init_in_place(init_on_device: Callable[[Any], Any], params: Any) -> Any:
+    """Initialise optimizer state straight into its planned memory.
+
+    One jit fetches the parameters, initialises on the device and writes the state into
+    its declared memory: no eager op touches a host array, and the state is never all on
+    the device at once. The in-program `to_host` matters: an array that only
+    `out_shardings` puts in host memory keeps a device type, and later traces would
+    treat it as device memory. On a mesh, each leaf is sharded like its parameter.
+    """
+    from ._place import planned_shardings  # late import: _place imports the plan
+
+    abstract = eqx.filter_eval_shape(init_on_device, params)
+    mesh = resolve_mesh([("params", params)])
+    shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
+    if mesh is not None:
+        shardings = mirror_parameters(shardings, abstract, params, mesh)
+
+    def init_placed(params):
+        return jax.tree_util.tree_map(
+            lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
+            init_on_device(params),
+            shardings,
+            is_leaf=lambda x: x is None,
+        )
+
+    return jax.jit(init_placed, out_shardings=shardings)(params)
 
 
 def _on_device(tree: Any) -> Any:
@@ -57,35 +87,12 @@ def offload_optimizer(
     wrapper = OffloadedState if memory == "pinned_host" else DeviceState
 
     def init_fn(params):
-        from ._mesh import mirror_parameters, resolve_mesh
-        from ._place import planned_shardings  # late import: _place imports the plan
-
         params = eqx.filter(params, eqx.is_array)
 
         def init_on_device(params):
             return wrapper(inner.init(_on_device(params)))
 
-        # One jit that fetches the parameters, initialises on the device and writes the
-        # state straight into its declared memory: no eager op touches a host array,
-        # and the state is never all on the device at once. The in-program `to_host`
-        # matters: an array that only `out_shardings` puts in host memory keeps a
-        # device type, and later traces would treat it as device memory.
-        abstract = eqx.filter_eval_shape(init_on_device, params)
-        # The state goes on the parameters' mesh, each leaf sharded like its parameter.
-        mesh = resolve_mesh([("params", params)])
-        shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
-        if mesh is not None:
-            shardings = mirror_parameters(shardings, abstract, params, mesh)
-
-        def init_placed(params):
-            return jax.tree_util.tree_map(
-                lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
-                init_on_device(params),
-                shardings,
-                is_leaf=lambda x: x is None,
-            )
-
-        return jax.jit(init_placed, out_shardings=shardings)(params)
+        return init_in_place(init_on_device, params)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, (OffloadedState, DeviceState)):

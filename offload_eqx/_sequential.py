@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from ._context import is_host_typed, to_device, to_host
-from ._optimizer import DeviceState, OffloadedState
+from ._optimizer import DeviceState, OffloadedState, init_in_place
 from ._placement import check_memory
 
 _NAME = "ox.sequential_offload_optimizer"
@@ -159,9 +159,6 @@ def sequential_offload_optimizer(
         global_transform = optax.identity()
 
     def init_fn(params):
-        from ._mesh import mirror_parameters, resolve_mesh
-        from ._place import planned_shardings  # late import: _place imports the plan
-
         params = eqx.filter(params, eqx.is_array)
         if check:
             check_per_leaf(per_leaf, params)
@@ -176,21 +173,7 @@ def sequential_offload_optimizer(
                 )
             )
 
-        abstract = eqx.filter_eval_shape(init_on_device, params)
-        mesh = resolve_mesh([("params", params)])
-        shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
-        if mesh is not None:
-            shardings = mirror_parameters(shardings, abstract, params, mesh)
-
-        def init_placed(params):
-            return jax.tree_util.tree_map(
-                lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
-                init_on_device(params),
-                shardings,
-                is_leaf=lambda x: x is None,
-            )
-
-        return jax.jit(init_placed, out_shardings=shardings)(params)
+        return init_in_place(init_on_device, params)
 
     def update_fn(updates, state, params=None, **extra_args):
         inner = getattr(state, "inner", None)
