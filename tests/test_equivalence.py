@@ -25,14 +25,17 @@ def _run(name: str, strategy: str):
     model = ox.place(MODELS[name](jax.random.key(0)), strategy)
     x = jax.random.normal(jax.random.key(1), INPUT_SHAPES[name])
     opt = make_optimizer()
-    opt_state = opt.init(model)
+    opt_state = ox.place(opt.init(model), strategy)
 
     @ox.filter_jit(strategy=strategy)
     def gradients(model, x):
         return eqx.filter_value_and_grad(loss_fn)(model, x)
 
     loss, grads = gradients(model, x)
-    step = make_step(opt, strategy, donate="all")
+    # Under the transfer guard, and statically audited: no implicit transfer, no broken
+    # placement contract (the audit raises on any) on any model under any strategy.
+    step = make_step(opt, strategy, donate="all", audit=True)
+    ox.audit(step, model, opt_state, x).assert_no_implicit()
     plan = step.plan(model, opt_state, x)
     trajectory = []
     for _ in range(STEPS):
