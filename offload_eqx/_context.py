@@ -15,16 +15,30 @@ _ACTIVE_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
 )
 
 
+# While tracing: the traced argument leaves by identity, to their plan paths, so that
+# errors raised deep inside (a region, a scan) name `model.layers.w1`, not `stacked.w1`.
+_LEAF_PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar(
+    "offload_eqx_leaf_paths", default={}
+)
+
+
 def active_plan() -> Plan | None:
     return _ACTIVE_PLAN.get()
 
 
+def argument_path(leaf: Any) -> str | None:
+    """The plan path of a traced argument leaf of the `ox.filter_jit` being traced."""
+    return _LEAF_PATHS.get().get(id(leaf))
+
+
 @contextlib.contextmanager
-def using_plan(plan: Plan) -> Iterator[None]:
+def using_plan(plan: Plan, traced_leaves: Any = ()) -> Iterator[None]:
     token = _ACTIVE_PLAN.set(plan)
+    paths = _LEAF_PATHS.set({id(x): leaf.path for x, leaf in zip(traced_leaves, plan.leaves)})
     try:
         yield
     finally:
+        _LEAF_PATHS.reset(paths)
         _ACTIVE_PLAN.reset(token)
 
 

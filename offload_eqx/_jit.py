@@ -228,7 +228,7 @@ class _JitWrapper:
             static_iter = iter(statics)
             leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
             args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-            with using_plan(plan), recording() as record:
+            with using_plan(plan, dynamic), recording() as record:
                 try:
                     out = fn(*args, **kwargs)
                 except ValueError as e:

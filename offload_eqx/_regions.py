@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ._activations import in_region
-from ._context import active_plan, is_host_typed, to_device
+from ._context import active_plan, argument_path, is_host_typed, to_device
 from ._plan import Plan, format_path
 from ._strategy import resolve_strategy
 
@@ -95,7 +95,7 @@ def scan(
         )
     lengths: dict[int, list[str]] = {}
     for path, leaf in with_paths:
-        name = format_path("stacked", path)
+        name = argument_path(leaf) or format_path("stacked", path)
         if axis != 0 and is_host_typed(leaf):
             raise ValueError(_HOST_AXIS.format(axis=axis, path=name))
         if jnp.ndim(leaf) <= axis:

@@ -220,3 +220,14 @@ def test_annotate_needs_something_and_a_whole_field():
     stacked = {"a": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"not a field of a module"):
         ox.annotate(stacked, lambda t: t["a"], memory="pinned_host")
+
+
+def test_scan_errors_name_the_argument_path_inside_filter_jit():
+    model = ox.place(scanned_model(jax.random.key(0)))
+
+    @ox.filter_jit
+    def forward(model, x):
+        return ox.scan(model.layers, x, axis=1)
+
+    with pytest.raises(ValueError, match=r"axis=1\): `model.layers.w1` is host-resident"):
+        forward(model, jnp.ones((8, 16)))
