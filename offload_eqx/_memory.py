@@ -18,6 +18,14 @@ without allocating it.
   `"device"`/`"pinned_host"` (or `None`: an argument's own memory kind, a result's traced
   memory space), and `donate_argnums` is `jax.jit`'s.
 
+Arguments on a mesh (arrays placed over a mesh of this machine's devices, or
+`ShapeDtypeStruct`s with `NamedSharding`s on one) are compiled on the same mesh rebuilt on
+the target's devices: the same axis names, sizes and types, so the target must have as many
+devices as the mesh (`"h100-8"` for a (2, 4) mesh, `"tpu-v5p-4"` for (1, 4) or (4,)). Inputs
+are sharded by the plan's specs, outputs by `Compilation.out_shardings` (an output shaped
+like an argument keeps its shardings; others are left to the compiler, as when the step
+runs). XLA analyses an SPMD program per device, so every byte reported is one device's.
+
 Host-resident arguments and results are compiled as host memory on every target: on
 compile-only GPUs their shardings are built on the abstract mesh and compiled under
 `jax.set_mesh` (a concrete-mesh `pinned_host` sharding there silently becomes device memory).
@@ -25,7 +33,7 @@ compile-only GPUs their shardings are built on the abstract mesh and compiled un
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,8 +41,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._jit import _JitWrapper
+from ._mesh import AnyMesh, resolve_mesh
 from ._placement import MEMORIES
-from ._targets import Target, get_target, target_mesh, uses_abstract_mesh
+from ._plan import Plan
+from ._targets import Target, get_target, mesh_on_target, target_mesh, uses_abstract_mesh
 
 FIELDS = ("temp", "argument", "output", "alias", "generated_code")
 
@@ -57,12 +67,22 @@ class MemoryReport:
     `device` and `host` map each of `temp`, `argument`, `output`, `alias`,
     `generated_code` to bytes; `total` is the device total (temp + argument + output -
     alias) and `host_total` the same sum in host memory.
+
+    The bytes are those of one device: XLA compiles one SPMD program that every device
+    of the mesh runs, and analyses it per device. `mesh` holds the mesh's axis sizes
+    (`{"data": 2, "fsdp": 4}`) when the arguments are on one, else None (one device).
     """
 
     name: str
     target: str
     device: Mapping[str, int]
     host: Mapping[str, int]
+    mesh: Mapping[str, int] | None = None
+
+    @property
+    def devices(self) -> int:
+        """How many devices run the program (each needs the bytes reported)."""
+        return int(np.prod(list(self.mesh.values()), dtype=np.int64)) if self.mesh else 1
 
     @property
     def total(self) -> int:
@@ -80,6 +100,7 @@ class MemoryReport:
             "host": dict(self.host),
             "total": self.total,
             "host_total": self.host_total,
+            "mesh": None if self.mesh is None else dict(self.mesh),
         }
 
     def __str__(self) -> str:
@@ -96,9 +117,20 @@ class MemoryReport:
                 format_bytes(self.host_total),
             ),
         ]
-        return f"Memory of {self.name!r} compiled for {self.target!r}\n" + _table(header, rows)
+        if self.mesh is None:
+            title = f"Memory of {self.name!r} compiled for {self.target!r}"
+        else:
+            title = (
+                f"Memory per device of {self.name!r} compiled for {self.target!r} over the "
+                f"mesh {_describe(self.mesh)} ({self.devices} devices, each needs this)"
+            )
+        return title + "\n" + _table(header, rows)
 
     __repr__ = __str__
+
+
+def _describe(mesh: Mapping[str, int]) -> str:
+    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.items()) + "}"
 
 
 def _total(fields: Mapping[str, int]) -> int:
@@ -173,10 +205,20 @@ class _Program:
     flat: Callable[..., list]
     leaves: list  # array leaves (arrays or ShapeDtypeStructs), the arguments of `flat`
     in_memories: list[str]
-    specs: list[PartitionSpec | None]
+    specs: list[PartitionSpec | None]  # over `mesh`; None: replicated
     out_memory: Any  # callable(out_avals) -> list of memories
     donate_argnums: tuple[int, ...]
-    mesh_shape: dict[str, int] | None
+    mesh: AnyMesh | None = None  # the mesh the arguments are on (rebuilt on the target)
+    # callable(out_avals) -> one PartitionSpec per output over `mesh`, or None: the
+    # compiler's choice (the output's memory then follows its traced type).
+    out_specs: Any = None
+    plan: Plan | None = None  # an `ox.filter_jit` plan, whose mesh `ox.shard` reads
+
+
+def _spec_on(sharding: Any, mesh: AnyMesh | None) -> PartitionSpec | None:
+    if mesh is not None and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return sharding.spec
+    return None
 
 
 def _from_filter_jit(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> _Program:
@@ -185,18 +227,25 @@ def _from_filter_jit(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> _Progra
     memories = [
         leaf_plan.memory or _own_memory(leaf) for leaf, leaf_plan in zip(leaves, plan.leaves)
     ]
-    donate = entry.donate_argnums
     mesh = plan.mesh
+    # On a mesh, the planned input shardings are the plan's specs, plus the spec a leaf
+    # without one already has (a sharded batch), as the step compiles them to run.
+    specs = [
+        _spec_on(s if s is not None else getattr(leaf, "sharding", None), mesh)
+        for leaf, s in zip(leaves, entry.in_shardings)
+    ]
     return _Program(
         flat=entry.flat,
         leaves=list(leaves),
         in_memories=memories,
-        specs=[leaf_plan.spec for leaf_plan in plan.leaves]
-        if mesh is not None
-        else [None] * len(leaves),
+        specs=specs,
         out_memory=lambda out_avals: list(entry.out_memories),
-        donate_argnums=tuple(donate),
-        mesh_shape=dict(mesh.shape) if mesh is not None else None,
+        donate_argnums=tuple(entry.donate_argnums),
+        mesh=mesh,
+        # Outputs shaped like an argument keep its shardings (the updated model stays
+        # FSDP-sharded); the others are left to the compiler, as when the step runs.
+        out_specs=lambda out_avals: [_spec_on(s, mesh) for s in entry.out_shardings],
+        plan=plan,
     )
 
 
@@ -263,15 +312,35 @@ def _from_function(
             result.append(memory)
         return result
 
-    return _Program(flat, leaves, memories, [None] * len(leaves), out_memories, tuple(donate), None)
+    # Arguments on a mesh (placed arrays, or ShapeDtypeStructs with a NamedSharding)
+    # keep their specs, on that mesh rebuilt on the target's devices.
+    mesh = resolve_mesh([("args", leaves)])
+    specs = [_spec_on(getattr(leaf, "sharding", None), mesh) for leaf in leaves]
+    return _Program(flat, leaves, memories, specs, out_memories, tuple(donate), mesh)
 
 
 # -- compiling for a target ------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _plan_on(plan: Plan | None, mesh: AnyMesh) -> Iterator[None]:
+    """While compiling for a target, the plan's mesh (which `ox.shard` reads inside the
+    step) is the target's mesh, not the mesh of this machine the arguments are on."""
+    if plan is None or plan.mesh is None:
+        yield
+        return
+    original = plan.mesh
+    plan.mesh = mesh
+    try:
+        yield
+    finally:
+        plan.mesh = original
+
+
 def _compile(program: _Program, target: Target) -> Any:
-    if program.mesh_shape is not None:
-        mesh = target_mesh(target, tuple(program.mesh_shape), tuple(program.mesh_shape.values()))
+    on_mesh = program.mesh is not None
+    if program.mesh is not None:
+        mesh = mesh_on_target(target, program.mesh)
     else:
         mesh = target_mesh(target)
     abstract_mesh = uses_abstract_mesh(target)
@@ -285,18 +354,39 @@ def _compile(program: _Program, target: Target) -> Any:
         jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=s)
         for leaf, s in zip(program.leaves, in_shardings)
     ]
-    context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
-    with context:
-        traced = jax.jit(program.flat, in_shardings=in_shardings).trace(*abstract)
-        out_memories = program.out_memory(traced.jaxpr.out_avals)
-        out_shardings = [sharding(m, None) for m in out_memories]
-        jitted = jax.jit(
-            program.flat,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            donate_argnums=program.donate_argnums,
-        )
+
+    def compile_with(out_shardings: list | None) -> Any:
+        options: dict[str, Any] = {"donate_argnums": program.donate_argnums}
+        if out_shardings is not None:
+            options["out_shardings"] = out_shardings
+        jitted = jax.jit(program.flat, in_shardings=in_shardings, **options)
         return jitted.trace(*abstract).lower().compile()
+
+    context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
+    with context, _plan_on(program.plan, sharding_mesh):
+        traced = jax.jit(program.flat, in_shardings=in_shardings).trace(*abstract)
+        out_avals = traced.jaxpr.out_avals
+        out_memories = program.out_memory(out_avals)
+        if not on_mesh:
+            return compile_with([sharding(m, None) for m in out_memories])
+        # On a mesh, an output is sharded as the step would return it: by its planned
+        # spec, or as the compiler chooses (None, its memory following its traced type).
+        # An output asked for in another memory than its type's gets the spec the
+        # compiler chose for it.
+        specs = program.out_specs(out_avals) if program.out_specs else [None] * len(out_avals)
+        traced_memories = ["pinned_host" if _is_host(a) else "device" for a in out_avals]
+        if any(s is None and m != t for s, m, t in zip(specs, out_memories, traced_memories)):
+            chosen = compile_with(None).output_shardings
+            specs = [
+                s if s is not None or m == t else getattr(c, "spec", PartitionSpec())
+                for s, m, t, c in zip(specs, out_memories, traced_memories, chosen)
+            ]
+        out_shardings = [None if s is None else sharding(m, s) for s, m in zip(specs, out_memories)]
+        return compile_with(out_shardings)
+
+
+def _is_host(aval: Any) -> bool:
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def _stats_fields(stats: Any) -> tuple[dict[str, int], dict[str, int]]:
@@ -333,6 +423,10 @@ def memory_report(
     - `donate_argnums`: plain functions only, as in `jax.jit`.
     - `name`: the report's label (the function's name by default).
 
+    Arguments on a mesh are compiled on that mesh rebuilt on the target's devices (the
+    target must have as many devices: `"h100-8"` for 8, `"tpu-v5p-4"` for 4), and the
+    report is per device.
+
     **Returns:** an `ox.MemoryReport`; `print` it for a table.
     """
     resolved = get_target(target)
@@ -350,7 +444,8 @@ def memory_report(
     stats = _compile(program, resolved).memory_analysis()
     device, host = _stats_fields(stats)
     label = name or getattr(fn, "__name__", type(fn).__name__)
-    return MemoryReport(name=label, target=resolved.name, device=device, host=host)
+    mesh = None if program.mesh is None else dict(program.mesh.shape)
+    return MemoryReport(name=label, target=resolved.name, device=device, host=host, mesh=mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,14 +475,19 @@ class MemoryComparison:
             "host output",
             "vs first",
         )
+        meshes = any(r.mesh is not None for r in self.reports.values())
+        if meshes:
+            header = header[:2] + ("mesh",) + header[2:]
         first: dict[str, int] = {}
         rows = []
         for (name, target), r in self.reports.items():
             first.setdefault(target, r.total)
+            mesh = (("-" if r.mesh is None else "x".join(map(str, r.mesh.values()))),)
             rows.append(
                 (
                     name,
                     target,
+                    *(mesh if meshes else ()),
                     *(format_bytes(r.device[f]) for f in ("temp", "argument", "output", "alias")),
                     format_bytes(r.total),
                     *(format_bytes(r.host[f]) for f in ("temp", "argument", "output")),

@@ -218,6 +218,56 @@ def target_mesh(
     )
 
 
+def _describe_axes(mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh") -> str:
+    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
+
+
+def mesh_on_target(
+    target: "str | Target", mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh"
+) -> jax.sharding.Mesh:
+    """`mesh` rebuilt on the devices of `target`: the same axis names, sizes and types.
+
+    A deviceless target compiles one SPMD program for every one of its devices, so the
+    mesh must use all of them: a different device count is an error naming both shapes.
+    On the `"cpu"` target a concrete mesh is kept as it is (it is on this machine's devices).
+    """
+    target = get_target(target)
+    if target.platform == "cpu" and isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    devices = target_devices(target)
+    shape = tuple(mesh.shape.values())
+    count = int(np.prod(shape, dtype=np.int64))
+    if count != len(devices):
+        same = [repr(t.name) for t in TARGETS.values() if _declared_count(t) == count]
+        hint = f" (here: {', '.join(same)})" if same else ""
+        raise ValueError(
+            f"The arguments are on the mesh {_describe_axes(mesh)} (shape {shape}, {count} "
+            f"devices), but target {target.name!r} has {len(devices)} devices (topology "
+            f"{target.topology or 'this machine'!r}). A memory report compiles the program "
+            "once per device of the target, so the mesh must span all of them: choose a "
+            f"target with {count} devices{hint}, or build the mesh over {len(devices)} "
+            f"devices (for example shape {(1,) * (len(shape) - 1) + (len(devices),)})."
+        )
+    return jax.sharding.Mesh(
+        np.array(devices, dtype=object).reshape(shape),
+        tuple(mesh.axis_names),
+        axis_types=tuple(mesh.axis_types),
+    )
+
+
+def _declared_count(target: Target) -> int | None:
+    """The device count a target's topology names, without creating its devices."""
+    if target.platform == "cpu":
+        return None
+    if target.chips_per_host is not None:
+        return int(np.prod(target.chips_per_host))
+    dims = target.topology.rsplit(":", 1)[-1].split("x")
+    try:
+        return int(np.prod([int(d) for d in dims]))
+    except ValueError:
+        return None
+
+
 def uses_abstract_mesh(target: "str | Target") -> bool:
     """Whether host-resident shardings must be built on the abstract mesh for `target`.
 

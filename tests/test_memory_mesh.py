@@ -1,0 +1,198 @@
+"""Memory reports of an FSDP-sharded step, per device, on multi-chip deviceless targets:
+`h100-8` (topology 1x1x8) for a (2, 4) ("data", "fsdp") mesh and `tpu-v5p-4` (v5p:2x2x1)
+for a (1, 4) mesh.
+
+The arguments must be on a CPU mesh of the same shape, which needs 8 CPU devices before
+JAX starts: the reports are computed once by running this file as a script in a child
+process with `--xla_force_host_platform_device_count=8`; it prints them as JSON and the
+tests below check the numbers by hand.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.deviceless
+
+EIGHT = "--xla_force_host_platform_device_count=8"
+CHILD_TIMEOUT = 240
+LAYERS, WIDTH, HIDDEN, BATCH = 4, 256, 1024, 64
+PARAM_BYTES = 2 * LAYERS * WIDTH * HIDDEN * 4  # 8 MiB over all devices
+FSDP_WAYS = 4
+X_BYTES = BATCH * WIDTH * 4
+# (target, mesh shape, mesh axes, how the batch is split)
+CASES = {
+    "h100-8": ((2, 4), ("data", "fsdp"), 2),
+    "tpu-v5p-4": ((1, 4), ("data", "fsdp"), 1),
+}
+
+
+# -- the child: compile the reports on 8 CPU devices -------------------------------------
+
+
+def _child() -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import offload_eqx as ox
+    from offload_eqx._memory import compare_memory, memory_report
+
+    assert jax.device_count() == 8
+    fsdp = P(None, "fsdp", None)
+
+    class Layer(eqx.Module):
+        w1: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device", spec=fsdp)
+        w2: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device", spec=fsdp)
+
+        def __call__(self, x):
+            x = ox.name(x, "x")
+            return (x @ self.w1) @ self.w2
+
+    class Model(eqx.Module):
+        layers: Layer
+        activations: ox.Activations = ox.activations(x="offload")
+
+        def __call__(self, x):
+            return ox.scan(self.layers, x)
+
+    def grad_step(model, x):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
+
+    def make_mesh(shape, axes):
+        count = 1
+        for size in shape:
+            count *= size
+        return jax.make_mesh(
+            shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=jax.devices()[:count]
+        )
+
+    out: dict = {}
+    for target, (shape, axes, _) in CASES.items():
+        mesh = make_mesh(shape, axes)
+
+        def sds(shape, spec, mesh=mesh):
+            return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+        # Abstract arguments with NamedShardings on the CPU mesh.
+        model = Model(Layer(sds((LAYERS, WIDTH, HIDDEN), fsdp), sds((LAYERS, HIDDEN, WIDTH), fsdp)))
+        x = sds((BATCH, WIDTH), P("data"))
+        programs = {
+            s: (ox.filter_jit(grad_step, strategy=s), (model, x)) for s in ("baseline", "hybrid")
+        }
+        comparison = compare_memory(programs, target=target)
+        out[target] = {name: r.as_dict() for (name, _), r in comparison.reports.items()}
+        out[target]["table"] = str(comparison)
+        out[target]["hybrid_text"] = str(comparison.reports[("hybrid", target)])
+        try:
+            memory_report(
+                ox.filter_jit(grad_step),
+                model,
+                x,
+                target="tpu-v5p-4" if target == "h100-8" else "h100-8",
+            )
+        except ValueError as e:
+            out[target]["mismatch"] = str(e)
+
+    # Placed arrays (not ShapeDtypeStructs) on the (2, 4) mesh, and the CPU target.
+    mesh = make_mesh((2, 4), ("data", "fsdp"))
+    model = Model(Layer(jnp.zeros((LAYERS, WIDTH, HIDDEN)), jnp.zeros((LAYERS, HIDDEN, WIDTH))))
+    model = ox.place(model, "hybrid", mesh=mesh)
+    x = ox.shard(jnp.ones((BATCH, WIDTH)), P("data"), mesh)
+    step = ox.filter_jit(grad_step, strategy="hybrid")
+    placed: dict = {t: memory_report(step, model, x, target=t).as_dict() for t in ("cpu", "h100-8")}
+    placed["w1_sharding"] = str(model.layers.w1.sharding)
+    out["placed"] = placed
+    return out
+
+
+@functools.cache
+def _reports() -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {EIGHT}".strip())
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    root = Path(__file__).parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"The 8-device child took more than {CHILD_TIMEOUT} s:\n{e.stdout}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        pytest.fail(f"The 8-device child failed:\n{done.stdout}\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _require_extras():
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs offload_eqx[cuda]")
+    pytest.importorskip("libtpu", reason="needs offload_eqx[tpu]")
+
+
+# -- the checks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", list(CASES))
+def test_fsdp_parameters_are_a_quarter_per_device(target):
+    _require_extras()
+    reports = _reports()[target]
+    baseline, hybrid = reports["baseline"], reports["hybrid"]
+    shape, axes, batch_ways = CASES[target]
+    per_device = PARAM_BYTES // FSDP_WAYS  # FSDP over 4 devices: 2 MiB each
+    x_per_device = X_BYTES // batch_ways
+    assert baseline["mesh"] == dict(zip(axes, shape))
+    # Baseline: the parameters' shard and the batch's shard are device arguments.
+    assert baseline["device"]["argument"] == per_device + x_per_device
+    assert baseline["host"]["argument"] == 0
+    # Hybrid: the parameters' shard moves to host arguments; only the batch stays.
+    assert hybrid["host"]["argument"] == per_device
+    assert hybrid["device"]["argument"] == x_per_device
+    assert baseline["device"]["argument"] - hybrid["device"]["argument"] == per_device
+    # The gradients keep the parameters' FSDP sharding (not replicated: 8 MiB), host-typed
+    # under hybrid.
+    assert per_device <= baseline["device"]["output"] < per_device + 1024
+    assert per_device <= hybrid["host"]["output"] < per_device + 1024
+    assert hybrid["total"] < baseline["total"]
+
+
+@pytest.mark.parametrize("target", list(CASES))
+def test_table_says_per_device_and_mismatch_names_both_shapes(target):
+    _require_extras()
+    reports = _reports()[target]
+    shape, axes, _ = CASES[target]
+    assert reports["hybrid_text"].startswith(
+        f"Memory per device of 'hybrid' compiled for '{target}'"
+    )
+    assert "Compiled memory per device" in reports["table"] and "mesh" in reports["table"]
+    message = reports["mismatch"]
+    assert f"shape {shape}" in message
+    assert "has 4 devices" in message or "has 8 devices" in message
+
+
+def test_placed_arrays_on_a_cpu_mesh():
+    _require_extras()
+    placed = _reports()["placed"]
+    assert "pinned_host" in placed["w1_sharding"] and "'fsdp'" in placed["w1_sharding"]
+    per_device = PARAM_BYTES // FSDP_WAYS
+    gpu = placed["h100-8"]
+    assert gpu["host"]["argument"] == per_device
+    assert gpu["device"]["argument"] == X_BYTES // 2
+    # CPU: offloading is only a type, host arguments count as device; still per device.
+    cpu = placed["cpu"]
+    assert cpu["device"]["argument"] == per_device + X_BYTES // 2
+    assert per_device <= cpu["device"]["output"] < per_device + 1024
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child()))
