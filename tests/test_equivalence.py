@@ -94,13 +94,14 @@ def test_same_loss_gradients_and_trajectory(name, strategy):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bitwise_equal_where_the_program_is_the_same(name):
-    """Placement moves bytes, not arithmetic: offloading parameters or optimizer state
-    gives bitwise-equal results on CPU. (Remat and activation offload may reorder
-    floating-point work, so those are checked to 1e-6 above.)"""
-    _, base_trajectory, _, _ = _baseline(name)
-    for strategy in ("offload_params", "offload_optimizer"):
-        _, trajectory, _, _ = _run(name, strategy)
-        for ours, base in zip(trajectory, base_trajectory):
+def test_bitwise_equal_on_cpu(name):
+    """Beyond the 1e-6 contract: on XLA:CPU every strategy gives bitwise the same
+    gradients and 3-step trajectory as baseline. Placement moves bytes, and rematerialised
+    values are recomputed by the same operations. (Other backends may fuse recomputed code
+    differently; the 1e-6 test above is the contract.)"""
+    base_grads, base_trajectory, _, _ = _baseline(name)
+    for strategy in STRATEGIES:
+        grads, trajectory, _, _ = _run(name, strategy)
+        for ours, base in zip([grads, *trajectory], [base_grads, *base_trajectory]):
             for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(base)):
-                np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(a, b, err_msg=strategy)
