@@ -163,9 +163,8 @@ class _JitWrapper:
             raise TypeError(
                 f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array "
                 f"argument is not hashable ({e}). Non-array leaves are static (part of the "
-                "compile cache key), so "
-                "they must be hashable: pass arrays for values that change, or make the "
-                "object hashable."
+                "compile cache key), so they must be hashable: pass arrays for values that "
+                "change, or make the object hashable."
             ) from None
         dynamic = [leaf for leaf, m in zip(leaves, mask) if m]
         if entry is None:
