@@ -42,8 +42,11 @@ _MEMORY_MISMATCH = "Memory kinds passed to jax.jit does not match"
 _SHARDING_MISMATCH = "Sharding passed to jit does not match"
 
 
+_DYNAMIC = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
 def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+    return isinstance(x, _DYNAMIC)
 
 
 def _labels(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -107,6 +110,8 @@ class Compilation:
 
     def rebuild(self, dynamic_out):
         out_treedef, out_static, out_mask = self.out_cell
+        if not out_static:  # all outputs are arrays: the common case, kept cheap
+            return jax.tree_util.tree_unflatten(out_treedef, dynamic_out)
         dynamic_iter = iter(dynamic_out)
         static_iter = iter(out_static)
         leaves = [next(dynamic_iter) if m else next(static_iter) for m in out_mask]
@@ -151,12 +156,21 @@ class _JitWrapper:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        mask = tuple(map(_is_dynamic, leaves))
-        if any(isinstance(leaf, Tracer) for leaf in leaves):
-            # Called inside another trace: inline, like a nested jax.jit would.
-            return self.fn(*args, **kwargs)
-        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
-        key = (treedef, mask, statics)
+        dynamic = []
+        statics = []
+        mask = []
+        for leaf in leaves:
+            if isinstance(leaf, _DYNAMIC):
+                if isinstance(leaf, Tracer):
+                    # Called inside another trace: inline, like a nested jax.jit would.
+                    return self.fn(*args, **kwargs)
+                dynamic.append(leaf)
+                mask.append(True)
+            else:
+                statics.append(leaf)
+                mask.append(False)
+        mask = tuple(mask)
+        key = (treedef, mask, tuple(statics))
         try:
             entry = self._cache.get(key)
         except TypeError as e:
@@ -166,7 +180,6 @@ class _JitWrapper:
                 "compile cache key), so they must be hashable: pass arrays for values that "
                 "change, or make the object hashable."
             ) from None
-        dynamic = [leaf for leaf, m in zip(leaves, mask) if m]
         if entry is None:
             entry = self._compile(args, kwargs, leaves, treedef, mask, dynamic)
             self._cache[key] = entry
