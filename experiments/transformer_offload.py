@@ -6,14 +6,19 @@ offload_eqx annotations: every weight is an `ox.field` (so strategies may move i
 block names its input and its q, k, v projections with `ox.name`, declaring them with
 `ox.activations(...)` as the TPU blog does (q/k/v offloaded, everything else recomputed).
 
-The same full training step (loss, gradients, `ox.offload_optimizer(optax.adamw(...))`,
-`ox.apply_updates`) is compiled under each strategy:
+The same full training step (loss, gradients, AdamW, applying the updates) is compiled
+under each strategy; the state-offloading strategies `offload_state` and `hybrid` use
+`ox.sequential_offload_optimizer(optax.adamw(...), layers=...)` and its `update_and_apply`
+(the stacked leaves' state, gradients and parameters stream through the device one layer
+at a time), the others `ox.offload_optimizer(optax.adamw(...))` and `ox.apply_updates`:
 
 - `no_remat`: nothing recomputed, everything on the device (`"baseline"`);
 - `full_remat`: every value in a layer recomputed (`"remat"`);
 - `qkv_offload`: the model's own annotations: q, k, v offloaded, the rest recomputed;
 - `offload_state`: parameters and optimizer state in pinned host memory, no remat;
-- `hybrid`: parameters and optimizer state on host and q, k, v offloaded.
+- `hybrid`: parameters and optimizer state on host and q, k, v offloaded;
+- `hybrid_whole_state`: `hybrid` with `ox.offload_optimizer`, whose update fetches the
+  whole state (for comparison).
 
 Three measurements:
 
@@ -34,11 +39,11 @@ Three measurements:
 A TPU v5p compile of this step takes 20-40 s on an idle 2-core machine (up to 140 s when
 busy), an H100 one 3-4 s (up to 20 s). What the measurements showed (jax 0.10.2):
 
-- the device peak of the state-offloading strategies is the optimizer update, which
-  `ox.offload_optimizer` runs on the whole state at once (parameters, gradients and both
-  Adam moments on the device together): 63.9 GB for the 8B model, whatever the batch.
-  Offloading the state therefore lowers the peak only once activations dominate: at 8B on
-  an H100, `hybrid` fits a batch of at least 35 where `full_remat` fits 11;
+- with `ox.offload_optimizer` the device peak of the state-offloading strategies is the
+  optimizer update, run on the whole state at once (parameters, gradients and both Adam
+  moments on the device together): 63.9 GB for the 8B model, whatever the batch
+  (`hybrid_whole_state`). Streaming the update layer by layer removes that peak: `hybrid`
+  needs 2.22 GB at batch 1 on an H100, and the activations set the peak again;
 - XLA:TPU (libtpu 0.0.42) crashes compiling any step of this model with host-resident
   parameters (`offload_state`, `hybrid`), shown as "compiler crashed"; the smaller seed-like
   models compile.
@@ -242,16 +247,26 @@ def loss_fn(model: Decoder, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def make_optimizer() -> optax.GradientTransformation:
-    return ox.offload_optimizer(optax.adamw(1e-3, weight_decay=0.01))
+def make_optimizer(layers: int | None = None) -> Any:
+    """AdamW. With `layers`, the streaming optimizer (`ox.sequential_offload_optimizer(...,
+    layers=layers)`, one layer slice of a stacked leaf on the device at a time); without,
+    `ox.offload_optimizer`, which fetches the whole state for the update."""
+    adamw = optax.adamw(1e-3, weight_decay=0.01)
+    if layers is not None:
+        return ox.sequential_offload_optimizer(adamw, layers=layers)
+    return ox.offload_optimizer(adamw)
 
 
 def make_step(optimizer, strategy, mesh=None) -> Callable[..., Any]:
-    """The full training step under one strategy: loss, gradients, update, apply."""
+    """The full training step under one strategy: loss, gradients, update, apply (in one
+    per-layer loop when the optimizer streams: `update_and_apply`)."""
 
     @ox.filter_jit(strategy=strategy, donate="all", mesh=mesh)
     def step(model, opt_state, tokens):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        if hasattr(optimizer, "update_and_apply"):
+            model, opt_state = optimizer.update_and_apply(grads, opt_state, model)
+            return model, opt_state, loss
         updates, opt_state = optimizer.update(grads, opt_state, model)
         return ox.apply_updates(model, updates), opt_state, loss
 
@@ -270,7 +285,19 @@ STRATEGIES: dict[str, ox.Strategy] = {
     ),
     # Everything together: state on the host, q/k/v offloaded as annotated.
     "hybrid": ox.Strategy("hybrid", params="pinned_host", optimizer="pinned_host"),
+    # `hybrid` with the whole-state update of `ox.offload_optimizer`, for comparison.
+    "hybrid_whole_state": ox.Strategy(
+        "hybrid_whole_state", params="pinned_host", optimizer="pinned_host"
+    ),
 }
+
+# Strategies whose update streams the stacked leaves layer by layer; the others use
+# `ox.offload_optimizer` (on the device strategies its state simply stays on the device).
+STREAMING = frozenset({"offload_state", "hybrid"})
+
+
+def optimizer_for(strategy: str, config: Config) -> Any:
+    return make_optimizer(config.layers if strategy in STREAMING else None)
 
 
 # Bytes a program may use on one chip: the H100's from the `GpuTargetConfig` that
@@ -295,10 +322,12 @@ def _abstract(tree: Any) -> Any:
     )
 
 
-def abstract_state(config: Config) -> tuple[Decoder, Any]:
-    """The bf16 model and its optimizer state as `ShapeDtypeStruct`s: nothing allocated."""
+def abstract_state(config: Config, strategy: str | None = None) -> tuple[Decoder, Any]:
+    """The bf16 model and its optimizer state (`ox.offload_optimizer`'s, or the streaming
+    optimizer's for a strategy in `STREAMING`) as `ShapeDtypeStruct`s: nothing allocated."""
     model = _abstract(eqx.filter_eval_shape(make_decoder, config, jax.random.key(0)))
-    opt_state = _abstract(eqx.filter_eval_shape(make_optimizer().init, model))
+    optimizer = make_optimizer() if strategy is None else optimizer_for(strategy, config)
+    opt_state = _abstract(eqx.filter_eval_shape(optimizer.init, model))
     return model, opt_state
 
 
@@ -313,9 +342,12 @@ def measure(config: Config, target: str, strategy: str, batch: int, state=None) 
     `fits` is false when the compiler refuses (out of memory) or the device total
     (temp + argument + output - alias) exceeds the chip's capacity.
     """
-    model, opt_state = state if state is not None else abstract_state(config)
+    model, opt_state = state if state is not None else abstract_state(config, strategy)
+    if strategy in STREAMING and not isinstance(opt_state.inner, ox.SequentialState):
+        # A state from `abstract_state(config)` (the whole-state optimizer's): rebuild it.
+        model, opt_state = abstract_state(config, strategy)
     tokens = jax.ShapeDtypeStruct((batch, config.seq + 1), jnp.int32)
-    step = make_step(make_optimizer(), STRATEGIES[strategy])
+    step = make_step(optimizer_for(strategy, config), STRATEGIES[strategy])
     start = time.perf_counter()
     try:
         report = _memory_report()(step, model, opt_state, tokens, target=target, name=strategy)
@@ -423,12 +455,13 @@ def deviceless(
 ) -> list[dict]:
     """Memory at batch 1 and the largest batch (with `budget[target]` more compiles), per
     target and strategy (`strategies[target]`, all by default)."""
-    state = abstract_state(config)
+    states = {kind: abstract_state(config, kind) for kind in ("no_remat", "hybrid")}
     rows = []
     for target in targets:
         for strategy in (strategies or {}).get(target, list(STRATEGIES)):
+            state = states["hybrid" if strategy in STREAMING else "no_remat"]
 
-            def measure_at(batch, target=target, strategy=strategy):
+            def measure_at(batch, target=target, strategy=strategy, state=state):
                 return measure(config, target, strategy, batch, state)
 
             first = measure_at(1)
@@ -452,9 +485,9 @@ def train_on_cpu(steps: int = 4, batch: int = 4, config: Config = CONFIGS["tiny"
     """Train the tiny decoder `steps` steps under each strategy from the same start, in
     float32, and compare each strategy's losses with the baseline's (`no_remat`)."""
     tokens = jax.random.randint(jax.random.key(1), (batch, config.seq + 1), 0, config.vocab)
-    optimizer = make_optimizer()
     losses: dict[str, list[float]] = {}
     for name, strategy in STRATEGIES.items():
+        optimizer = optimizer_for(name, config)
         # A fresh model per strategy: the step donates its arguments, so the buffers of a
         # shared model would be gone after the first strategy.
         model = make_decoder(config, jax.random.key(0), dtype=jnp.float32)

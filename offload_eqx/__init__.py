@@ -38,7 +38,9 @@ from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._regions import checkpoint as checkpoint, scan as scan
 from ._sequential import (
+    SequentialOptimizer as SequentialOptimizer,
     SequentialState as SequentialState,
+    check_elementwise as check_elementwise,
     check_per_leaf as check_per_leaf,
     sequential_offload_optimizer as sequential_offload_optimizer,
 )

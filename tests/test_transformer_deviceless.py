@@ -36,7 +36,7 @@ def reports():
     state = experiment.abstract_state(config)
     measured = {
         name: experiment.measure(config, "h100", name, 1, state)
-        for name in ("no_remat", "full_remat", "qkv_offload", "hybrid")
+        for name in ("no_remat", "full_remat", "qkv_offload", "hybrid", "hybrid_whole_state")
     }
     return experiment, config, measured
 
@@ -73,7 +73,11 @@ def test_hybrid_keeps_parameters_and_optimizer_state_on_host(reports):
     assert m["hybrid"]["device"]["argument"] < 0.001 * state_bytes
     assert m["hybrid"]["host"]["alias"] == m["hybrid"]["host"]["argument"]
     assert m["hybrid"]["total"] < m["qkv_offload"]["total"]
-    # The update fetches the whole optimizer state, parameters and gradients to the
-    # device at once, so the device peak stays near four copies of the parameters.
-    assert m["hybrid"]["device"]["temp"] > 0.95 * (4 / 3) * state_bytes
     assert m["hybrid"]["total"] <= experiment.CAPACITY["h100"]
+    # `ox.offload_optimizer` fetches the whole optimizer state, the parameters and the
+    # gradients to the device at once: the device peak stays near four copies of the
+    # parameters. The layer-streaming update keeps one layer's slices on the device.
+    whole = m["hybrid_whole_state"]
+    assert whole["device"]["temp"] > 0.95 * (4 / 3) * state_bytes
+    assert m["hybrid"]["device"]["temp"] < 0.1 * state_bytes
+    assert m["hybrid"]["total"] < 0.1 * whole["total"]  # measured 2.22 GB vs 63.89 GB
