@@ -617,7 +617,7 @@ class _Walker:
 
 _ROLE_KIND: dict[str | None, str] = {"param": "parameter", "optimizer": "optimizer"}
 _HOST_USE = (
-    "ox.audit({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
+    "{caller}({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
     "that mixes memory spaces (`{error}`): either {it} is used outside any "
     "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
     "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
@@ -693,7 +693,9 @@ def _mixes_memory(error: BaseException) -> bool:
     return "memory_space of all inputs" in text or "host-resident array was used outside" in text
 
 
-def _locate_host_use(wrapper: _JitWrapper, args, kwargs, error: BaseException) -> ContractError:
+def _locate_host_use(
+    wrapper: _JitWrapper, args, kwargs, error: BaseException, caller: str = "ox.audit"
+) -> ContractError:
     """Which host-resident leaves make the trace mix memory spaces: retrace with every
     other host-resident leaf typed as device memory (only on this error path)."""
     plan = wrapper.plan(*args, **kwargs)
@@ -729,6 +731,7 @@ def _locate_host_use(wrapper: _JitWrapper, args, kwargs, error: BaseException) -
     paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
     one = len(offenders) <= 1
     message = _HOST_USE.format(
+        caller=caller,
         name=wrapper.__name__,
         paths=paths,
         are="is" if one else "are",

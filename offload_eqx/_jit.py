@@ -308,7 +308,7 @@ class _JitWrapper:
             # (costly, but only on this error path).
             from ._audit import _locate_host_use
 
-            raise _locate_host_use(self, args, kwargs, error) from None
+            raise _locate_host_use(self, args, kwargs, error, "ox.filter_jit") from None
         entry.out_avals = tuple(traced.jaxpr.out_avals)
         device = _device_of(dynamic)
         if plan.mesh is None:

@@ -171,7 +171,7 @@ def test_host_resident_leaf_outside_any_region_and_state_stays_usable():
     x = jnp.ones((8, 16))
     with pytest.raises(
         ValueError,
-        match=r"`model.layers.w1` is host-resident \(pinned_host\).*used outside any `ox.scan`/`ox.checkpoint` region",
+        match=r"ox.filter_jit\(step\): `model.layers.w1` is host-resident \(pinned_host\).*used outside any `ox.scan`/`ox.checkpoint` region",
     ):
         step(bad, opt_state, x)
     # Nothing was donated or deleted: the same model and state still train.
