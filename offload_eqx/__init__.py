@@ -2,23 +2,17 @@
 
 annotations (`_placement`, `_activations`, `_annotate`) -> plan (`_plan`, `_strategy`)
 -> traced program (`_regions`, `_optimizer`, `_jit`, `_mesh`) -> audit / report
-(`_audit`, `_guard`, `_memory`, `_targets`).
+(`_jaxpr_walk`, `_audit`, `_transfer_report`, `_guard`, `_memory`, `_targets`).
 """
 
 from ._activations import Activations as Activations, activations as activations, name as name
 from ._annotate import annotate as annotate
-from ._audit import (
-    ContractError as ContractError,
-    Transfer as Transfer,
-    TransferReport as TransferReport,
-    Violation as Violation,
-    audit as audit,
-    host_compute as host_compute,
-)
+from ._audit import audit as audit
 from ._guard import (
     ImplicitTransferError as ImplicitTransferError,
     no_implicit_transfers as no_implicit_transfers,
 )
+from ._jaxpr_walk import host_compute as host_compute
 from ._jit import filter_jit as filter_jit
 from ._memory import (
     MemoryComparison as MemoryComparison,
@@ -46,5 +40,11 @@ from ._sequential import (
 )
 from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._targets import TARGETS as TARGETS, Target as Target, register_target as register_target
+from ._transfer_report import (
+    ContractError as ContractError,
+    Transfer as Transfer,
+    TransferReport as TransferReport,
+    Violation as Violation,
+)
 
 __version__ = "0.1.0"
