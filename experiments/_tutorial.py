@@ -10,6 +10,8 @@ The shardings the tutorial gives `jax.jit` (host-resident arguments, `out_shardi
 `ox.compare_memory`.
 """
 
+import argparse
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -185,6 +187,15 @@ def optimizer_programs(dim: int) -> dict[str, tuple]:
 # -- shared runner: compile every program on every target, print, write JSON and a plot ------
 
 TARGETS = ("h100", "tpu-v5p", "cpu")
+
+
+def scan_script_main(run: Callable[..., Any], doc: str) -> None:
+    """The command line of the scan scripts (`activation_`, `parameter_offloading.py`)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--smoke", action="store_true", help="the default: the tutorial's sizes")
+    parser.add_argument("--full", action="store_true", help="same sizes (the workload is small)")
+    run(targets=parser.parse_args().targets)
 
 
 def transfer_totals(fn, args) -> dict[str, int] | None:

@@ -24,7 +24,6 @@ Run: `python experiments/activation_offloading.py [--smoke | --full]` (results i
 `experiments/results/`). `--smoke` compiles the same sizes (a few seconds per target).
 """
 
-import argparse
 import os
 import sys
 
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _tutorial import TARGETS, MiB, run_workload, scan_arguments, scan_programs  # noqa: E402
+from _tutorial import TARGETS, MiB, run_workload, scan_arguments, scan_programs, scan_script_main  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -80,27 +79,21 @@ def bounds(layers: int, batch: int, width: int, hidden: int) -> dict[str, int]:
     }
 
 
-def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
-    sizes = dict(layers=layers, batch=batch, width=width, hidden=hidden)
+def scan_pairs(strategies: dict[str, str], **sizes: int) -> dict[str, tuple]:
+    """For `run_workload`: each tutorial program beside the model under `strategies[name]`."""
     tutorial = scan_programs(**sizes)
     model, x = abstract_model(**sizes)
-    pairs = {
-        "baseline": (
-            tutorial["baseline"],
-            (ox.filter_jit(grad_step, strategy="baseline"), (model, x)),
-        ),
-        "offload x": (
-            tutorial["offload x"],
-            (ox.filter_jit(grad_step, strategy="offload_activations"), (model, x)),
-        ),
+    return {
+        name: (tutorial[name], (ox.filter_jit(grad_step, strategy=strategy), (model, x)))
+        for name, strategy in strategies.items()
     }
+
+
+def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
+    sizes = dict(layers=layers, batch=batch, width=width, hidden=hidden)
+    pairs = scan_pairs({"baseline": "baseline", "offload x": "offload_activations"}, **sizes)
     return run_workload("activation", pairs, bounds(**sizes), tuple(targets), MiB, results_dir)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
-    parser.add_argument("--smoke", action="store_true", help="the default: the tutorial's sizes")
-    parser.add_argument("--full", action="store_true", help="same sizes (the workload is small)")
-    options = parser.parse_args()
-    run(targets=options.targets)
+    scan_script_main(run, __doc__)

@@ -17,7 +17,6 @@ see `activation_offloading.py`.)
 Run: `python experiments/parameter_offloading.py [--smoke | --full]`.
 """
 
-import argparse
 import os
 import sys
 
@@ -26,26 +25,15 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _tutorial import TARGETS, MiB, run_workload, scan_programs  # noqa: E402
-from activation_offloading import RESULTS, abstract_model, bounds, grad_step  # noqa: E402
-
-import offload_eqx as ox  # noqa: E402
+from _tutorial import TARGETS, MiB, run_workload, scan_script_main  # noqa: E402
+from activation_offloading import RESULTS, bounds, scan_pairs  # noqa: E402
 
 
 def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
     sizes = dict(layers=layers, batch=batch, width=width, hidden=hidden)
-    tutorial = scan_programs(**sizes)
-    model, x = abstract_model(**sizes)
-    pairs = {
-        "offload x": (
-            tutorial["offload x"],
-            (ox.filter_jit(grad_step, strategy="offload_activations"), (model, x)),
-        ),
-        "params on host + offload x": (
-            tutorial["params on host + offload x"],
-            (ox.filter_jit(grad_step, strategy="hybrid"), (model, x)),
-        ),
-    }
+    pairs = scan_pairs(
+        {"offload x": "offload_activations", "params on host + offload x": "hybrid"}, **sizes
+    )
     limits = {
         "offload x": bounds(**sizes)["offload x"],
         "params on host + offload x": (2 * batch * width + width * hidden + batch * hidden) * 4,
@@ -54,9 +42,4 @@ def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_d
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
-    parser.add_argument("--smoke", action="store_true", help="the default: the tutorial's sizes")
-    parser.add_argument("--full", action="store_true", help="same sizes (the workload is small)")
-    options = parser.parse_args()
-    run(targets=options.targets)
+    scan_script_main(run, __doc__)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 import offload_eqx as ox
@@ -16,9 +17,19 @@ import offload_eqx as ox
 # -- 1. The seed workload: a scanned stack of two matmuls, activation "x" named. -------
 
 
-class Layer(eqx.Module):
-    w1: Float[Array, "..."] = ox.field(memory="pinned_host")
-    w2: Float[Array, "..."] = ox.field(memory="pinned_host")
+class SeedLayer(eqx.Module):
+    """One layer of the seed workload, `(x @ w1) @ w2`, naming its input "x"."""
+
+    w1: Float[Array, "layers width hidden"] = ox.field(memory="pinned_host")
+    w2: Float[Array, "layers hidden width"] = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        x = ox.name(x, "x")
+        return (x @ self.w1) @ self.w2
+
+
+class Layer(SeedLayer):
+    """The seed layer with a tanh between the matmuls (trained in the equivalence tests)."""
 
     def __call__(self, x):
         x = ox.name(x, "x")
@@ -26,14 +37,43 @@ class Layer(eqx.Module):
 
 
 class ScannedModel(eqx.Module):
-    layers: Layer
+    layers: SeedLayer  # stacked: every leaf has the layer axis first
     activations: ox.Activations = ox.activations(x="offload")
 
     def __call__(self, x):
         return ox.scan(self.layers, x)
 
 
+def seed_model(
+    layers: int = 10,
+    width: int = 256,
+    hidden: int = 1024,
+    *,
+    abstract: bool = True,
+    memory: str = "pinned_host",
+    spec: PartitionSpec | None = None,
+    sharding: jax.sharding.Sharding | None = None,
+) -> ScannedModel:
+    """The seed workload (float32): w1 `layers x width x hidden`, w2 `layers x hidden x width`.
+
+    `abstract`: `ShapeDtypeStruct`s (with `sharding`, if given) rather than zeros. The weights
+    are in `memory` with `spec` (an `ox.annotate` of the layers, unless the defaults).
+    """
+    shapes = (layers, width, hidden), (layers, hidden, width)
+    w1: Any  # a ShapeDtypeStruct stands for an array of its shape: nothing is allocated
+    w2: Any
+    if abstract:
+        w1, w2 = (jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes)
+    else:
+        w1, w2 = (jnp.zeros(s, jnp.float32) for s in shapes)
+    model = ScannedModel(layers=SeedLayer(w1=w1, w2=w2))
+    if memory != "pinned_host" or spec is not None:
+        model = ox.annotate(model, lambda m: m.layers, memory=memory, spec=spec)
+    return model
+
+
 def scanned_model(key, depth=3, width=16, hidden=32) -> ScannedModel:
+    """The seed workload with the tanh layer and random weights."""
     k1, k2 = jax.random.split(key)
     w1 = jax.random.normal(k1, (depth, width, hidden)) / np.sqrt(width)
     w2 = jax.random.normal(k2, (depth, hidden, width)) / np.sqrt(hidden)

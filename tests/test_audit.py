@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import seed_model
 from jax import checkpoint_policies
 from jaxtyping import Array, Float
 
@@ -26,25 +27,7 @@ DEVICE = jax.memory.Space.Device
 
 # -- the seed workload: 10 scanned layers, x 256x256, w1 10x256x1024, w2 10x1024x256 -------
 
-
-class Layer(eqx.Module):
-    w1: Float[ArrayOrSpec, "layers 256 1024"] = ox.field(memory="pinned_host")
-    w2: Float[ArrayOrSpec, "layers 1024 256"] = ox.field(memory="pinned_host")
-
-    def __call__(self, x):
-        x = ox.name(x, "x")
-        return (x @ self.w1) @ self.w2
-
-
-class Model(eqx.Module):
-    layers: Layer
-    activations: ox.Activations = ox.activations(x="offload")
-
-    def __call__(self, x):
-        return ox.scan(self.layers, x)
-
-
-SEED_MODEL = Model(Layer(S((10, 256, 1024), jnp.float32), S((10, 1024, 256), jnp.float32)))
+SEED_MODEL = seed_model(layers=10, width=256, hidden=1024)  # pinned_host weights
 SEED_X = S((256, 256), jnp.float32)
 OPT = ox.offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
 SEED_OPT_STATE = eqx.filter_eval_shape(OPT.init, SEED_MODEL)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import seed_model
 
 import offload_eqx as ox
 from offload_eqx._memory import compare_memory, memory_report
@@ -20,32 +21,13 @@ PARAM_BYTES = 2 * LAYERS * WIDTH * HIDDEN * 4  # 20 MiB
 ACTIVATION_BYTES = LAYERS * BATCH * WIDTH * 4  # the offloaded x: 2.5 MiB
 
 
-class Layer(eqx.Module):
-    w1: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device")
-    w2: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device")
-
-    def __call__(self, x):
-        x = ox.name(x, "x")
-        return (x @ self.w1) @ self.w2
-
-
-class Model(eqx.Module):
-    layers: Layer
-    activations: ox.Activations = ox.activations(x="offload")
-
-    def __call__(self, x):
-        return ox.scan(self.layers, x)
-
-
 def grad_step(model, x):
     return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
 
 
 def abstract_model(layers=LAYERS):
-    f32 = jnp.float32
-    w1 = jax.ShapeDtypeStruct((layers, WIDTH, HIDDEN), f32)
-    w2 = jax.ShapeDtypeStruct((layers, HIDDEN, WIDTH), f32)
-    return Model(Layer(w1, w2)), jax.ShapeDtypeStruct((BATCH, WIDTH), f32)
+    model = seed_model(layers, WIDTH, HIDDEN, memory="device")
+    return model, jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
 
 
 def report(strategy, target):

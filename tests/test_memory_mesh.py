@@ -39,6 +39,7 @@ def _child() -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    from helpers import seed_model  # tests/ is on the path: `_reports` runs this file
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import offload_eqx as ox
@@ -46,21 +47,6 @@ def _child() -> dict:
 
     assert jax.device_count() == 8
     fsdp = P(None, "fsdp", None)
-
-    class Layer(eqx.Module):
-        w1: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device", spec=fsdp)
-        w2: jax.Array | jax.ShapeDtypeStruct = ox.field(memory="device", spec=fsdp)
-
-        def __call__(self, x):
-            x = ox.name(x, "x")
-            return (x @ self.w1) @ self.w2
-
-    class Model(eqx.Module):
-        layers: Layer
-        activations: ox.Activations = ox.activations(x="offload")
-
-        def __call__(self, x):
-            return ox.scan(self.layers, x)
 
     def grad_step(model, x):
         return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
@@ -76,13 +62,13 @@ def _child() -> dict:
     out: dict = {}
     for target, (shape, axes, _) in CASES.items():
         mesh = make_mesh(shape, axes)
-
-        def sds(shape, spec, mesh=mesh):
-            return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-
         # Abstract arguments with NamedShardings on the CPU mesh.
-        model = Model(Layer(sds((LAYERS, WIDTH, HIDDEN), fsdp), sds((LAYERS, HIDDEN, WIDTH), fsdp)))
-        x = sds((BATCH, WIDTH), P("data"))
+        model = seed_model(
+            LAYERS, WIDTH, HIDDEN, memory="device", spec=fsdp, sharding=NamedSharding(mesh, fsdp)
+        )
+        x = jax.ShapeDtypeStruct(
+            (BATCH, WIDTH), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+        )
         programs = {
             s: (ox.filter_jit(grad_step, strategy=s), (model, x)) for s in ("baseline", "hybrid")
         }
@@ -102,7 +88,7 @@ def _child() -> dict:
 
     # Placed arrays (not ShapeDtypeStructs) on the (2, 4) mesh, and the CPU target.
     mesh = make_mesh((2, 4), ("data", "fsdp"))
-    model = Model(Layer(jnp.zeros((LAYERS, WIDTH, HIDDEN)), jnp.zeros((LAYERS, HIDDEN, WIDTH))))
+    model = seed_model(LAYERS, WIDTH, HIDDEN, abstract=False, memory="device", spec=fsdp)
     model = ox.place(model, "hybrid", mesh=mesh)
     x = ox.shard(jnp.ones((BATCH, WIDTH)), P("data"), mesh)
     step = ox.filter_jit(grad_step, strategy="hybrid")
@@ -117,7 +103,10 @@ def _reports() -> dict:
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {EIGHT}".strip())
     env.setdefault("JAX_PLATFORMS", "cpu")
     root = Path(__file__).parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    tests = Path(__file__).parent  # for `helpers` (also sys.path[0] of a script run)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), str(tests), env.get("PYTHONPATH")])
+    )
     try:
         done = subprocess.run(
             [sys.executable, __file__],
