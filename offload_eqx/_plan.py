@@ -6,7 +6,7 @@ the regions and the optimizer wrapper act on, and it prints as a table.
 """
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import equinox as eqx
@@ -374,10 +374,6 @@ def format_plan(plan: Plan) -> str:
             f"{'saved' if plan.saves_everything else 'recomputed'})"
         )
     return "\n".join(lines)
-
-
-def iter_host_leaves(plan: Plan) -> Iterator[LeafPlan]:
-    return (leaf for leaf in plan.leaves if leaf.memory == "pinned_host")
 
 
 def plan(
