@@ -1,17 +1,28 @@
 """Per-call dispatch overhead of `ox.filter_jit` against `eqx.filter_jit` and `jax.jit`.
 
 The function is tiny (a small `eqx.nn.MLP` on one vector), so a call's time is almost all
-dispatch: flattening, the cache lookup and jax.jit's C++ fast path. The three are timed
-in one run, interleaved, and the report gives ratios: absolute microseconds on a noisy
-2-core machine mean little, their ratio does.
+dispatch: flattening, the cache lookup and jax.jit's C++ fast path. Absolute microseconds
+on a noisy 2-core machine mean little; the ratio of two wrappers timed side by side does.
+So the candidates are timed in rounds: in each round every candidate is timed once
+(interleaved, in an order rotated each round, so drift in the machine's load hits all of
+them alike), each round gives its own ratios, and the report is the median ratio over the
+rounds, beside every round's ratio.
 
-    python benchmarks/dispatch.py [--calls 2000] [--repeats 7]
+Candidates, all computing `model(x)`:
+- `ox.filter_jit(forward)(model, x)`, `eqx.filter_jit(forward)(model, x)`: the model as an
+  argument;
+- `ox.filter_jit(model)(x)`, `eqx.filter_jit(model)(x)`: the module as the function;
+- `jax.jit` on arrays split from the model once, before timing: the floor.
+
+    python benchmarks/dispatch.py [--rounds 5] [--calls 2000] [--repeats 5] [--smoke]
 """
 
 import argparse
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,9 +31,19 @@ import numpy as np
 
 import offload_eqx as ox
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+JAX = "jax.jit (pre-split arrays)"
+# (numerator, denominator) of each reported ratio.
+RATIOS = {
+    "ox / jax.jit": ("ox.filter_jit(forward)", JAX),
+    "ox / eqx.filter_jit": ("ox.filter_jit(forward)", "eqx.filter_jit(forward)"),
+    "ox module / jax.jit": ("ox.filter_jit(model)", JAX),
+    "ox module / eqx module": ("ox.filter_jit(model)", "eqx.filter_jit(model)"),
+}
 
-def _median_microseconds(fn, args, calls: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
+
+def _microseconds_per_call(fn: Callable, args: tuple, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back calls."""
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -33,49 +54,102 @@ def _median_microseconds(fn, args, calls: int, repeats: int) -> float:
     return float(np.median(samples))
 
 
-def run(calls: int = 2000, repeats: int = 7) -> dict[str, float]:
+def candidates() -> dict[str, tuple[Callable, tuple]]:
     model = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(0))
     x = jnp.ones(8)
 
     def forward(model, x):
         return model(x)
 
-    ours = ox.filter_jit(forward)
-    theirs = eqx.filter_jit(forward)
     params, static = eqx.partition(model, eqx.is_array)
-    presplit = jax.jit(lambda params, x: eqx.combine(params, static)(x))
-
-    candidates = {
-        "ox.filter_jit": (ours, (model, x)),
-        "eqx.filter_jit": (theirs, (model, x)),
-        "jax.jit (pre-split arrays)": (presplit, (params, x)),
+    return {
+        "ox.filter_jit(forward)": (ox.filter_jit(forward), (model, x)),
+        "eqx.filter_jit(forward)": (eqx.filter_jit(forward), (model, x)),
+        "ox.filter_jit(model)": (ox.filter_jit(model), (x,)),
+        "eqx.filter_jit(model)": (eqx.filter_jit(model), (x,)),
+        JAX: (jax.jit(lambda params, x: eqx.combine(params, static)(x)), (params, x)),
     }
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(3):  # interleave, so drift in machine load hits all three alike
-        for name, (fn, args) in candidates.items():
-            times[name].append(_median_microseconds(fn, args, calls, repeats))
-    result = {name: float(np.median(t)) for name, t in times.items()}
-    result["ratio ox / eqx.filter_jit"] = result["ox.filter_jit"] / result["eqx.filter_jit"]
-    result["ratio ox / jax.jit"] = result["ox.filter_jit"] / result["jax.jit (pre-split arrays)"]
-    return result
+
+
+def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
+    """Time every candidate in each of `rounds` rounds; ratios per round and their median.
+
+    A candidate that fails on its first call is reported with its error and left out of
+    the timing (its ratios read None), so that the others are still measured.
+    """
+    timed, failed = {}, {}
+    expected = None
+    for name, (fn, args) in candidates().items():
+        try:
+            out = jax.block_until_ready(fn(*args))  # compile, outside the timing
+        except Exception as error:
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            continue
+        expected = out if expected is None else expected
+        if not np.allclose(out, expected, rtol=1e-6):
+            raise AssertionError(f"{name} computed {out}, the others {expected}.")
+        timed[name] = (fn, args)
+    names = list(timed)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, args = timed[name]
+            times[name].append(_microseconds_per_call(fn, args, calls, repeats))
+    ratios: dict[str, list[float] | None] = {
+        label: [a / b for a, b in zip(times[top], times[bottom])]
+        if top in times and bottom in times
+        else None
+        for label, (top, bottom) in RATIOS.items()
+    }
+    return {
+        "rounds": rounds,
+        "calls": calls,
+        "repeats": repeats,
+        "microseconds": times,
+        "median_microseconds": {name: float(np.median(t)) for name, t in times.items()},
+        "ratios": ratios,
+        "median_ratios": {
+            label: None if r is None else float(np.median(r)) for label, r in ratios.items()
+        },
+        "failed": failed,
+        "versions": {"jax": jax.__version__, "equinox": eqx.__version__},
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    rounds = range(1, result["rounds"] + 1)
+    lines = [f"{'median us per call':<28} {'median':>8}  " + " ".join(f"{i:>6}" for i in rounds)]
+    for name, samples in result["microseconds"].items():
+        each = " ".join(f"{t:>6.1f}" for t in samples)
+        lines.append(f"{name:<28} {result['median_microseconds'][name]:>8.1f}  {each}")
+    lines.append(f"{'ratio':<28} {'median':>8}  " + " ".join(f"{i:>6}" for i in rounds))
+    for label, values in result["ratios"].items():
+        if values is None:
+            lines.append(f"{label:<28} {'-':>8}  (a candidate failed)")
+            continue
+        each = " ".join(f"{r:>6.2f}" for r in values)
+        lines.append(f"{label:<28} {result['median_ratios'][label]:>8.2f}  {each}")
+    for name, error in result["failed"].items():
+        lines.append(f"not timed: {name} failed: {error}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--smoke", action="store_true", help="few calls, for CI")
+    parser.add_argument("--repeats", type=int, default=5)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="3 rounds of few calls, for CI")
+    size.add_argument("--full", action="store_true", help="the defaults")
     args = parser.parse_args()
-    calls, repeats = (200, 3) if args.smoke else (args.calls, args.repeats)
-    result = run(calls, repeats)
-    print(f"{'function':<30} {'median µs per call':>20}")
-    for name, value in result.items():
-        if name.startswith("ratio"):
-            print(f"{name:<30} {value:>20.2f}")
-        else:
-            print(f"{name:<30} {value:>20.1f}")
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open("benchmarks/results/dispatch.json", "w") as f:
+    if args.smoke:
+        args.rounds, args.calls, args.repeats = 3, 200, 3
+    result = run(args.rounds, args.calls, args.repeats)
+    print(report(result))
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "dispatch.json"), "w") as f:
         json.dump(result, f, indent=2)
 
 

@@ -35,11 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _tutorial import TARGETS, MiB, run_workload, scan_arguments, scan_programs, scan_script_main  # noqa: E402
+from _report import DEFAULT_TARGETS, RESULTS, MiB, run_workload, script_main  # noqa: E402
+from _tutorial import scan_arguments, scan_programs  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 class Layer(eqx.Module):
@@ -89,11 +88,11 @@ def scan_pairs(strategies: dict[str, str], **sizes: int) -> dict[str, tuple]:
     }
 
 
-def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
+def run(targets=DEFAULT_TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
     sizes = dict(layers=layers, batch=batch, width=width, hidden=hidden)
     pairs = scan_pairs({"baseline": "baseline", "offload x": "offload_activations"}, **sizes)
     return run_workload("activation", pairs, bounds(**sizes), tuple(targets), MiB, results_dir)
 
 
 if __name__ == "__main__":
-    scan_script_main(run, __doc__)
+    script_main(run, __doc__)

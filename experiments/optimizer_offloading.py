@@ -8,7 +8,8 @@ weights are `ox.field`s, the optimizer is `ox.offload_optimizer(...)`, and the s
 compiled from `jax.ShapeDtypeStruct`s for h100 and tpu-v5p: nothing is allocated. The CPU
 column uses a smaller DIM (`--cpu-dim`, 512 with `--smoke`).
 
-A third program, "sequential offload", is `offload_eqx._sequential`: clipping by the global
+A third program, "sequential offload", is `ox.offload_optimizer(optax.adam(0.1),
+stream="leaf", global_transform=optax.clip_by_global_norm(1.0))`: clipping by the global
 norm on all gradients, then Adam one weight at a time, each inside a `jax.lax.cond` gated on
 the previous weight's update, so that one weight's state is on the device at a time; see
 experiments/README.md for what XLA does.
@@ -41,12 +42,10 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from _tutorial import OPTIMIZER, TARGETS, GiB, MiB, gelu, optimizer_programs, run_workload  # noqa: E402
+from _report import DEFAULT_TARGETS, RESULTS, GiB, MiB, run_workload  # noqa: E402
+from _tutorial import OPTIMIZER, gelu, optimizer_programs  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
-from offload_eqx._sequential import sequential_offload_optimizer  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 class MLP(eqx.Module):
@@ -81,8 +80,8 @@ def programs(dim: int) -> dict[str, tuple]:
     model, x = MLP(w, w, w, w), w
     opt = ox.offload_optimizer(OPTIMIZER)
     state = eqx.filter_eval_shape(opt.init, model)
-    sequential = sequential_offload_optimizer(
-        optax.adam(0.1), global_transform=optax.clip_by_global_norm(1.0)
+    sequential = ox.offload_optimizer(
+        optax.adam(0.1), stream="leaf", global_transform=optax.clip_by_global_norm(1.0)
     )
     sequential_state = eqx.filter_eval_shape(sequential.init, model)
     return {
@@ -116,7 +115,7 @@ def bounds(dim: int) -> dict[str, int]:
     }
 
 
-def run(targets=TARGETS, dim=7168, cpu_dim=2048, results_dir=RESULTS):
+def run(targets=DEFAULT_TARGETS, dim=7168, cpu_dim=2048, results_dir=RESULTS):
     def size(target):
         return cpu_dim if target == "cpu" else dim
 
@@ -134,11 +133,12 @@ def run(targets=TARGETS, dim=7168, cpu_dim=2048, results_dir=RESULTS):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS))
     parser.add_argument("--dim", type=int, default=7168, help="DIM for h100/tpu (compile-only)")
     parser.add_argument("--cpu-dim", type=int, default=2048, help="DIM for the cpu target")
-    parser.add_argument("--smoke", action="store_true", help="cpu DIM 512")
-    parser.add_argument("--full", action="store_true", help="cpu DIM 7168 too (compile-only)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="cpu DIM 512")
+    size.add_argument("--full", action="store_true", help="cpu DIM 7168 too (compile-only)")
     options = parser.parse_args()
     cpu_dim = 512 if options.smoke else 7168 if options.full else options.cpu_dim
     run(targets=options.targets, dim=options.dim, cpu_dim=cpu_dim)

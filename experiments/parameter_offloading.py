@@ -25,11 +25,11 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _tutorial import TARGETS, MiB, run_workload, scan_script_main  # noqa: E402
-from activation_offloading import RESULTS, bounds, scan_pairs  # noqa: E402
+from _report import DEFAULT_TARGETS, RESULTS, MiB, run_workload, script_main  # noqa: E402
+from activation_offloading import bounds, scan_pairs  # noqa: E402
 
 
-def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
+def run(targets=DEFAULT_TARGETS, layers=10, batch=256, width=256, hidden=1024, results_dir=RESULTS):
     sizes = dict(layers=layers, batch=batch, width=width, hidden=hidden)
     pairs = scan_pairs(
         {"offload x": "offload_activations", "params on host + offload x": "hybrid"}, **sizes
@@ -42,4 +42,4 @@ def run(targets=TARGETS, layers=10, batch=256, width=256, hidden=1024, results_d
 
 
 if __name__ == "__main__":
-    scan_script_main(run, __doc__)
+    script_main(run, __doc__)

@@ -1,0 +1,271 @@
+"""The Llama-like decoder of `transformer_offload.py`, written once with offload_eqx annotations.
+
+RMSNorm, rotary attention with q/k/v/o projections and a SwiGLU MLP; the layers are stacked
+with `eqx.filter_vmap` and applied with `ox.scan`, the embedding and the head each called
+through `ox.checkpoint`. Every weight is an `ox.field`, so a strategy may move it; the block
+names its input and its q, k, v projections with `ox.name` and declares them with
+`ox.activations(...)` as the TPU blog does (q/k/v offloaded, everything else recomputed).
+
+Also here: the configurations (1B to 8B, and a tiny one for the CPU), the strategies the
+experiment compares, the AdamW optimizer for each, the full training step, and the model
+and optimizer state as `jax.ShapeDtypeStruct`s. Public API only, importable from tests:
+
+    sys.path.insert(0, "experiments"); import _decoder
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import offload_eqx as ox
+
+# -- the model --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Shape of the decoder. Heads are full multi-head attention (no grouped keys)."""
+
+    name: str
+    vocab: int
+    dim: int
+    ffn: int
+    layers: int
+    heads: int
+    seq: int
+
+    @property
+    def parameters(self) -> int:
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn + 2 * self.dim
+        return self.layers * per_layer + 2 * self.vocab * self.dim + self.dim
+
+
+CONFIGS = {
+    # Llama-3.2-1B-like widths, full multi-head attention: 1.2B parameters.
+    "1B": Config("1B", vocab=32000, dim=2048, ffn=8192, layers=16, heads=16, seq=2048),
+    # Llama-3.2-3B-like: 3.4B parameters.
+    "3B": Config("3B", vocab=32000, dim=3072, ffn=8192, layers=28, heads=24, seq=2048),
+    # Llama-2/3-7B/8B-like (the facts file's 7.8B decoder plus embeddings): 8.0B parameters.
+    "8B": Config("8B", vocab=32000, dim=4096, ffn=14336, layers=32, heads=32, seq=2048),
+    # Trained on the CPU.
+    "tiny": Config("tiny", vocab=256, dim=64, ffn=128, layers=3, heads=4, seq=32),
+}
+
+
+class RMSNorm(eqx.Module):
+    """Root-mean-square normalisation, computed in float32 whatever the storage dtype."""
+
+    weight: jax.Array = ox.field(memory="device")
+    eps: float = eqx.field(static=True, default=1e-6)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x, positions):
+    """Rotary position embedding over the last axis of `x` (batch, seq, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    frequencies = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * frequencies[None, :]  # (seq, half)
+    sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
+    cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class Block(eqx.Module):
+    """One decoder layer. Stacked along axis 0 by `eqx.filter_vmap`, applied by `ox.scan`."""
+
+    attention_norm: RMSNorm
+    wq: jax.Array = ox.field(memory="device")
+    wk: jax.Array = ox.field(memory="device")
+    wv: jax.Array = ox.field(memory="device")
+    wo: jax.Array = ox.field(memory="device")
+    mlp_norm: RMSNorm
+    w_gate: jax.Array = ox.field(memory="device")
+    w_up: jax.Array = ox.field(memory="device")
+    w_down: jax.Array = ox.field(memory="device")
+    heads: int = eqx.field(static=True, default=1)
+    # The TPU blog's choice: q, k, v projections go to host memory after the forward pass
+    # and come back for the backward pass; every other value of the layer is recomputed.
+    # The layer input is named too, so a strategy can offload it; by default it is
+    # recomputed, which costs nothing (the scan keeps the carry anyway).
+    activations: ox.Activations = ox.activations(
+        block_input="remat", q="offload", k="offload", v="offload"
+    )
+
+    def __call__(self, x):
+        x = ox.name(x, "block_input")
+        batch, seq, dim = x.shape
+        head_dim = dim // self.heads
+        h = self.attention_norm(x)
+        q = ox.name(h @ self.wq, "q")
+        k = ox.name(h @ self.wk, "k")
+        v = ox.name(h @ self.wv, "v")
+        split = (batch, seq, self.heads, head_dim)
+        positions = jnp.arange(seq)
+        q = rotary(q.reshape(split), positions)
+        k = rotary(k.reshape(split), positions)
+        v = v.reshape(split)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, dim)
+        x = x + attended @ self.wo
+        h = self.mlp_norm(x)
+        return x + (jax.nn.silu(h @ self.w_gate) * (h @ self.w_up)) @ self.w_down
+
+
+class Embedding(eqx.Module):
+    """Token embedding; called through `ox.checkpoint` so that it may live on the host."""
+
+    weight: jax.Array = ox.field(memory="device")
+
+    def __call__(self, tokens):
+        return jnp.take(self.weight, tokens, axis=0)
+
+
+class Head(eqx.Module):
+    """Final norm and unembedding, returning float32 logits."""
+
+    norm: RMSNorm
+    weight: jax.Array = ox.field(memory="device")
+
+    def __call__(self, x):
+        return (self.norm(x) @ self.weight).astype(jnp.float32)
+
+
+class Decoder(eqx.Module):
+    embedding: Embedding
+    layers: Block  # every leaf has a leading layer axis
+    head: Head
+
+    def __call__(self, tokens):
+        # Embedding and head run in their own regions: a region is where host-resident
+        # weights are fetched, so they can be offloaded like the layers' weights.
+        x = ox.checkpoint(self.embedding, tokens)
+        x = ox.scan(self.layers, x)
+        return ox.checkpoint(self.head, x)
+
+
+def make_decoder(config: Config, key, dtype=jnp.bfloat16) -> Decoder:
+    """Initialise a decoder (scaled normal weights, unit norms) in `dtype`."""
+    d, f = config.dim, config.ffn
+
+    def normal(key, shape, fan_in):
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    def make_block(key):
+        keys = jax.random.split(key, 7)
+        return Block(
+            attention_norm=RMSNorm(jnp.ones((d,), dtype)),
+            wq=normal(keys[0], (d, d), d),
+            wk=normal(keys[1], (d, d), d),
+            wv=normal(keys[2], (d, d), d),
+            wo=normal(keys[3], (d, d), d),
+            mlp_norm=RMSNorm(jnp.ones((d,), dtype)),
+            w_gate=normal(keys[4], (d, f), d),
+            w_up=normal(keys[5], (d, f), d),
+            w_down=normal(keys[6], (f, d), f),
+            heads=config.heads,
+        )
+
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    return Decoder(
+        embedding=Embedding(normal(k_embed, (config.vocab, d), 1)),
+        layers=eqx.filter_vmap(make_block)(jax.random.split(k_layers, config.layers)),
+        head=Head(RMSNorm(jnp.ones((d,), dtype)), normal(k_head, (d, config.vocab), d)),
+    )
+
+
+def loss_fn(model: Decoder, tokens):
+    """Next-token cross-entropy, in float32."""
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make_optimizer(layers: int | None = None) -> optax.GradientTransformationExtraArgs:
+    """AdamW with its state offloaded. With `layers`, the update streams stacked leaves one
+    layer slice at a time (`ox.offload_optimizer(..., stream="layer", layers=layers)`);
+    without, the update fetches the whole state (`ox.offload_optimizer(adamw)`)."""
+    adamw = optax.adamw(1e-3, weight_decay=0.01)
+    if layers is not None:
+        return ox.offload_optimizer(adamw, stream="layer", layers=layers)
+    return ox.offload_optimizer(adamw)
+
+
+def make_step(optimizer, strategy, mesh=None) -> Callable[..., Any]:
+    """The full training step under one strategy: loss, gradients, update, apply.
+
+    `ox.update_and_apply` runs the update and applies it in one per-layer loop when the
+    optimizer streams by layer (parameters are never fetched whole), and is `update` then
+    `ox.apply_updates` otherwise."""
+
+    @ox.filter_jit(strategy=strategy, donate="all", mesh=mesh)
+    def step(model, opt_state, tokens):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        model, opt_state = ox.update_and_apply(optimizer, grads, opt_state, model)
+        return model, opt_state, loss
+
+    return step
+
+
+# -- strategies -------------------------------------------------------------------------
+
+STRATEGIES: dict[str, ox.Strategy] = {
+    "no_remat": ox.STRATEGIES["baseline"],
+    "full_remat": ox.STRATEGIES["remat"],
+    # The model's own activation annotations (q, k, v offloaded), every leaf on the device.
+    "qkv_offload": ox.Strategy("qkv_offload", params="device", optimizer="device"),
+    "offload_state": ox.Strategy(
+        "offload_state", params="pinned_host", optimizer="pinned_host", activations="save"
+    ),
+    # Everything together: state on the host, q/k/v offloaded as annotated.
+    "hybrid": ox.Strategy("hybrid", params="pinned_host", optimizer="pinned_host"),
+    # `hybrid` with the whole-state update of `ox.offload_optimizer`, for comparison.
+    "hybrid_whole_state": ox.Strategy(
+        "hybrid_whole_state", params="pinned_host", optimizer="pinned_host"
+    ),
+}
+
+# Strategies whose update streams the stacked leaves layer by layer; the others use
+# `ox.offload_optimizer` (on the device strategies its state simply stays on the device).
+STREAMING = frozenset({"offload_state", "hybrid"})
+
+
+def optimizer_for(strategy: str, config: Config) -> Any:
+    return make_optimizer(config.layers if strategy in STREAMING else None)
+
+
+def _abstract(tree: Any) -> Any:
+    """Array leaves as bare `ShapeDtypeStruct`s: no sharding, so the memory report places
+    them on the target from the plan rather than on this machine's CPU."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree
+    )
+
+
+def abstract_state(config: Config, strategy: str | None = None) -> tuple[Decoder, Any]:
+    """The bf16 model and the optimizer state of `strategy` (the layer-streaming
+    optimizer's for a strategy in `STREAMING`, the whole-state one's otherwise) as
+    `ShapeDtypeStruct`s: nothing allocated."""
+    return _abstract_state(config, strategy in STREAMING)
+
+
+@functools.cache
+def _abstract_state(config: Config, streaming: bool) -> tuple[Decoder, Any]:
+    # Cached: every strategy and batch probe of one configuration reuses them.
+    model = _abstract(eqx.filter_eval_shape(make_decoder, config, jax.random.key(0)))
+    optimizer = make_optimizer(config.layers if streaming else None)
+    opt_state = _abstract(eqx.filter_eval_shape(optimizer.init, model))
+    return model, opt_state
