@@ -18,16 +18,25 @@ The walk itself (transfer attribution, phases, the checks made per equation) is 
 with where each argument comes from and which argument each output is the new value of,
 then adds what only the whole call shows: copies of arguments made before the program
 runs, outputs returned in the wrong memory, declared activations not handled as
-declared, and arguments on another device. `_locate_host_use` turns JAX's "mixed memory
-spaces" trace error into a `ContractError` naming the host-resident leaves at fault.
+declared, and arguments on another device. A host-resident leaf used where it mixes
+memory spaces is found while tracing: `ox.filter_jit` raises `HostUseError` (a
+`ContractError`) naming the leaves, and the audit lets it through.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from . import _jit
+from ._errors import (
+    ContractError as ContractError,
+    HostUseError,
+    Violation as Violation,
+    mixed_memory_spaces_summary,
+)
+from ._guard import device_offenders
 from ._jaxpr_walk import (
     _dce,
     _is_var,
@@ -36,15 +45,10 @@ from ._jaxpr_walk import (
     _Walker,
     host_compute as host_compute,
 )
-from ._jit import Compilation, _JitWrapper, _labels, filter_jit
+from ._jit_interface import arguments, is_filter_jit, output_arguments
 from ._plan import Plan
-from ._transfer_report import (
-    ContractError as ContractError,
-    Transfer as Transfer,
-    TransferReport as TransferReport,
-    Violation as Violation,
-    _mib,
-)
+from ._table import format_bytes
+from ._transfer_report import Transfer as Transfer, TransferReport as TransferReport
 
 # -- the entry point -------------------------------------------------------------------
 
@@ -65,115 +69,6 @@ _WRONG_MEMORY = (
     "{size}). Return it in {want!r}: update host-resident parameters with "
     "`ox.apply_updates`, or send it back with `jax.device_put(x, jax.memory.Space.{space})`."
 )
-
-
-def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
-def _split_output(path: str) -> tuple[str, str]:
-    rest = path[len("output") :]
-    if rest.startswith("["):
-        end = rest.index("]") + 1
-        return "output" + rest[:end], rest[end:]
-    return "output", rest
-
-
-def _match_outputs(entry: Compilation, roots: Sequence[str]) -> list[Any]:
-    """For each array output, the argument leaf it is the new value of (or None): an
-    output subtree matches an argument whose leaves have the same paths and types."""
-    out_paths = entry.output_paths()
-    groups: dict[str, dict[str, int]] = {}
-    for i, path in enumerate(out_paths):
-        group, suffix = _split_output(path)
-        groups.setdefault(group, {})[suffix] = i
-    inputs: dict[str, dict[str, Any]] = {}
-    for leaf in entry.plan.leaves:
-        root = next(
-            (
-                r
-                for r in roots
-                if leaf.path == r or leaf.path.startswith(r + ".") or leaf.path.startswith(r + "[")
-            ),
-            None,
-        )
-        if root is not None:
-            inputs.setdefault(root, {})[leaf.path[len(root) :]] = leaf
-    matched: list[Any] = [None] * len(out_paths)
-    used: set[str] = set()
-    for group, members in groups.items():
-        for root, leaves in inputs.items():
-            if root in used or set(leaves) != set(members):
-                continue
-            if all(
-                tuple(entry.out_avals[i].shape) == leaves[s].shape
-                and np.dtype(entry.out_avals[i].dtype) == leaves[s].dtype
-                for s, i in members.items()
-            ):
-                used.add(root)
-                for suffix, i in members.items():
-                    matched[i] = leaves[suffix]
-                break
-    return matched
-
-
-def _as_device(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding.with_memory_kind("device"))
-
-
-def _mixes_memory(error: BaseException) -> bool:
-    text = str(error)
-    return "memory_space of all inputs" in text or "host-resident array was used outside" in text
-
-
-def _locate_host_use(
-    wrapper: _JitWrapper, args, kwargs, error: BaseException, caller: str = "ox.audit"
-) -> ContractError:
-    """Which host-resident leaves make the trace mix memory spaces: retrace with every
-    other host-resident leaf typed as device memory (only on this error path)."""
-    plan = wrapper.plan(*args, **kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    mask = tuple(map(_is_dynamic, leaves))
-    statics = tuple(x for x, m in zip(leaves, mask) if not m)
-    dynamic = [x for x, m in zip(leaves, mask) if m]
-    in_shardings = tuple(
-        None if lp.memory is None else plan.sharding(lp, getattr(x, "sharding", None))
-        for x, lp in zip(dynamic, plan.leaves)
-    )
-    flat = wrapper._make_flat(plan, treedef, mask, statics, [])
-    entry = Compilation(None, flat, plan, in_shardings, (), (), (), [])
-    abstract = entry.abstract(dynamic)
-    host = {
-        i
-        for i, a in enumerate(abstract)
-        if a.sharding is not None and a.sharding.memory_kind == "pinned_host"
-    }
-    offenders = []
-    for i in sorted(host):
-        trial = [_as_device(a) if j in host and j != i else a for j, a in enumerate(abstract)]
-        try:
-            jax.make_jaxpr(flat)(*trial)
-        except ValueError as e:
-            if _mixes_memory(e):
-                offenders.append(plan.leaves[i].path)
-        except Exception:
-            pass
-    text = str(error)
-    start = text.find("memory_space of all inputs")
-    jax_error = text[start : text.find("same", start) + 4] if start >= 0 else text.split("\n")[0]
-    paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
-    one = len(offenders) <= 1
-    message = _HOST_USE.format(
-        caller=caller,
-        name=wrapper.__name__,
-        paths=paths,
-        are="is" if one else "are",
-        error=jax_error,
-        it="it" if one else "them",
-        its="its" if one else "their",
-    )
-    violations = [Violation("host leaf outside region", p, message) for p in offenders]
-    return ContractError(message, violations)
 
 
 def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
@@ -200,20 +95,18 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
     output returned in another memory than its argument's plan, an argument on another
     device. The report is attached as `error.report` when the program could be traced.
     """
-    wrapper = fn if isinstance(fn, _JitWrapper) else filter_jit(fn)
-    name = getattr(wrapper, "__name__", "fn")
-    try:
-        entry, leaves = wrapper.compilation(*args, **kwargs)
-    except ValueError as error:
-        if not _mixes_memory(error):
-            raise
-        raise _locate_host_use(wrapper, args, kwargs, error) from None
-    roots = [root for root, _ in _labels(wrapper.fn, args, kwargs)]
+    wrapper = fn if is_filter_jit(fn) else _jit.filter_jit(fn)
+    name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
+    # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
+    # raises `HostUseError` naming it, which is the audit's answer too.
+    entry, leaves = wrapper.compilation(*args, **kwargs)
+    labelled = arguments(wrapper, args, kwargs)
+    roots = getattr(entry.plan, "roots", None) or [root for root, _ in labelled]
     plan: Plan = entry.plan
     closed = jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
     jaxpr = _dce(closed.jaxpr)
 
-    matched = _match_outputs(entry, roots)
+    matched = output_arguments(entry, roots)
     out_paths = entry.output_paths()
     outputs: dict[Any, tuple[str, str]] = {}
     for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
@@ -242,17 +135,17 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
                     got=memory,
                     path=leaf.path,
                     want=leaf.memory,
-                    size=_mib(_nbytes(aval)),
+                    size=format_bytes(_nbytes(aval)),
                     space="Host" if leaf.memory == "pinned_host" else "Device",
                 ),
             )
     _check_activations(plan, walker, transfers)
-    _check_devices(args, kwargs, wrapper, walker)
+    _check_devices(labelled, walker)
     report = TransferReport(name, plan.strategy.name, transfers, walker.violations)
     return report.check()
 
 
-def _argument_transfers(entry: Compilation, leaves: list) -> list[Transfer]:
+def _argument_transfers(entry: Any, leaves: list) -> list[Transfer]:
     """Copies made before the program runs, on every call: NumPy arguments uploaded,
     arrays not in the memory the plan puts them in (moved by `ox.filter_jit`)."""
     found = []
@@ -315,15 +208,13 @@ def _check_activations(plan: Plan, walker: _Walker, transfers: list[Transfer]) -
                 name,
                 f"Activation {name!r} is declared {policy!r} (effective policy) by "
                 f"`{module_path}`, but the program moves it between memories "
-                f"({_mib(sum(t.bytes for t in moved))} per call): a remat policy other "
+                f"({format_bytes(sum(t.bytes for t in moved))} per call): a remat policy other "
                 "than the plan's applies to it. Use the regions `ox.scan`/`ox.checkpoint`.",
             )
 
 
-def _check_devices(args, kwargs, wrapper: _JitWrapper, walker: _Walker) -> None:
-    from ._guard import device_offenders
-
-    offenders, majority = device_offenders(_labels(wrapper.fn, args, kwargs))
+def _check_devices(labelled: list[tuple[str, Any]], walker: _Walker) -> None:
+    offenders, majority = device_offenders(labelled)
     if majority is None:  # no offenders
         return
     for path, leaf in offenders:
@@ -335,3 +226,79 @@ def _check_devices(args, kwargs, wrapper: _JitWrapper, walker: _Walker) -> None:
             f"{', '.join(map(str, majority))}: jit would copy it on every call (or refuse "
             "to run). Move it once, outside the step: `jax.device_put(x, device)`.",
         )
+
+
+# -- TRANSITION: moving to the tracing layer -------------------------------------------
+# The previous `ox.filter_jit` imports this on its error path; the rewritten one raises
+# `HostUseError` itself. Delete from here once `_jit` no longer imports it.
+
+_HOST_USE = (
+    "{caller}({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
+    "that mixes memory spaces (`{error}`): either {it} is used outside any "
+    "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
+    "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
+    "gradient clipping or the optimizer. Call the module that uses {it} through "
+    "`ox.scan(...)`/`ox.checkpoint(...)`, wrap the optimizer with "
+    "`ox.offload_optimizer(...)` (which fetches gradients explicitly), or place {it} on "
+    "the device (`ox.field(memory='device')`)."
+)
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _as_device(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding.with_memory_kind("device"))
+
+
+def _mixes_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "memory_space of all inputs" in text or "host-resident array was used outside" in text
+
+
+def _locate_host_use(
+    wrapper: Any, args, kwargs, error: BaseException, caller: str = "ox.audit"
+) -> HostUseError:
+    """Which host-resident leaves make the trace mix memory spaces: retrace with every
+    other host-resident leaf typed as device memory (only on this error path)."""
+    plan = wrapper.plan(*args, **kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    mask = tuple(map(_is_dynamic, leaves))
+    statics = tuple(x for x, m in zip(leaves, mask) if not m)
+    dynamic = [x for x, m in zip(leaves, mask) if m]
+    in_shardings = tuple(
+        None if lp.memory is None else plan.sharding(lp, getattr(x, "sharding", None))
+        for x, lp in zip(dynamic, plan.leaves)
+    )
+    flat = wrapper._make_flat(plan, treedef, mask, statics, [])
+    entry = _jit.Compilation(None, flat, plan, in_shardings, (), (), (), [])
+    abstract = entry.abstract(dynamic)
+    host = {
+        i
+        for i, a in enumerate(abstract)
+        if a.sharding is not None and a.sharding.memory_kind == "pinned_host"
+    }
+    offenders = []
+    for i in sorted(host):
+        trial = [_as_device(a) if j in host and j != i else a for j, a in enumerate(abstract)]
+        try:
+            jax.make_jaxpr(flat)(*trial)
+        except ValueError as e:
+            if _mixes_memory(e):
+                offenders.append(plan.leaves[i].path)
+        except Exception:
+            pass
+    jax_error = mixed_memory_spaces_summary(error)
+    paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
+    one = len(offenders) <= 1
+    message = _HOST_USE.format(
+        caller=caller,
+        name=wrapper.__name__,
+        paths=paths,
+        are="is" if one else "are",
+        error=jax_error,
+        it="it" if one else "them",
+        its="its" if one else "their",
+    )
+    return HostUseError(message, offenders)

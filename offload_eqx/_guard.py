@@ -10,21 +10,46 @@ arrays whose memory kind disagrees with their type.
 """
 
 import contextlib
+import dataclasses
 import os
+import re
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.core import Tracer
 
-from ._context import type_matches
+from ._errors import ImplicitTransferError as ImplicitTransferError
+from ._memory_space import type_matches
 from ._plan import format_path
 
+# JAX's transfer-guard error, e.g. `INVALID_ARGUMENT: Disallowed host-to-device transfer:
+# aval=ShapedArray(float32[4]), dst_sharding=...`: the only place its words are read.
+_GUARD_MESSAGE = re.compile(
+    r"Disallowed (?P<direction>host-to-device|device-to-host|device-to-device) transfer"
+    r"(?:: aval=(?P<aval>.*?\)),)?"
+)
 
-class ImplicitTransferError(RuntimeError):
-    """An implicit transfer under `ox.no_implicit_transfers()` (or `filter_jit(audit=True)`)."""
+
+@dataclasses.dataclass(frozen=True)
+class GuardedTransfer:
+    """What JAX's transfer guard blocked: the direction and the value's type."""
+
+    direction: Literal["host-to-device", "device-to-host", "device-to-device"]
+    aval: str  # `ShapedArray(float32[4])`, or "a value" when JAX does not say
+
+
+def blocked_transfer(error: BaseException) -> GuardedTransfer | None:
+    """The transfer a `jax.transfer_guard` error blocked, or None for any other error."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    match = _GUARD_MESSAGE.search(str(error))
+    if match is None:
+        return None
+    direction: Any = match.group("direction")
+    return GuardedTransfer(direction, match.group("aval") or "a value")
 
 
 _UPLOAD = (
@@ -165,19 +190,13 @@ def _user_frame(error: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno}{code}"
 
 
-def _aval_in(message: str) -> str:
-    start = message.find("aval=")
-    if start < 0:
-        return "a value"
-    end = message.find("),", start)
-    return message[start + len("aval=") : end + 1 if end >= 0 else None]
-
-
 def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -> str | None:
     """A message naming the offending argument leaves of a transfer-guard error, or None
     if `error` is not a transfer-guard error."""
-    message = str(error)
-    if "Disallowed host-to-device transfer" in message:
+    blocked = blocked_transfer(error)
+    if blocked is None:
+        return None
+    if blocked.direction == "host-to-device":
         offenders = upload_offenders(arguments or [])
         numpy_offenders = [o for o in offenders if "NumPy" in o or "numpy" in o]
         if numpy_offenders:
@@ -195,12 +214,12 @@ def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -
                 fix=" or ".join(fixes) or "`jax.device_put`",
             )
         if arguments is None:
-            return _EAGER.format(aval=_aval_in(message), where=_user_frame(error))
+            return _EAGER.format(aval=blocked.aval, where=_user_frame(error))
         return _NO_ARGUMENT.format(
             direction="host-to-device",
-            detail=f"`{_aval_in(message)}` at {_user_frame(error)}",
+            detail=f"`{blocked.aval}` at {_user_frame(error)}",
         )
-    if "Disallowed device-to-device transfer" in message:
+    if blocked.direction == "device-to-device":
         offenders, majority = device_offenders(arguments or [])
         if offenders and majority is not None:
             described = ", ".join(
@@ -213,7 +232,7 @@ def explain(error: BaseException, arguments: Sequence[tuple[str, Any]] | None) -
                 majority_device=f"jax.devices()[{majority[0].id}]",
             )
         return (
-            f"Implicit device-to-device transfer of `{_aval_in(message)}` at "
+            f"Implicit device-to-device transfer of `{blocked.aval}` at "
             f"{_user_frame(error)}: an argument is on another device than the jitted "
             "function's input sharding. Put it there once, outside the step, with "
             "`jax.device_put(x, sharding)`."

@@ -5,7 +5,9 @@ multiplied by the trip count of every enclosing `scan`; a `cond` counts its larg
 branch; a `while` loop, whose trip count is unknown, counts once. Values are followed
 through the program (into and out of scan, remat and jit bodies) so that each transfer
 is attributed to what it moves: a parameter or optimizer-state leaf by its path, a named
-activation, the gradient of a host-resident parameter, or a function output.
+activation, the gradient of a host-resident parameter, or a function output. A host
+callback (`jax.pure_callback`, `io_callback`, `jax.debug.print`, `jax.debug.callback`) is
+a transfer too: its operands go to the host and its results come back on every call.
 
 Forward or backward: JAX names the equations it derives by differentiation, and the
 name stack survives in the jaxpr: `jvp(...)` for the forward (primal) pass and
@@ -15,9 +17,11 @@ differentiated remat region. Equations outside both, after the backward pass, ar
 
 The contract checks that need the walk's view of each equation (a host leaf's device
 copy kept as a residual, arithmetic on host-typed values outside `ox.host_compute()`,
-host-typed gradients) are made on the same pass. `ox.host_compute` lives here because it
-only marks equations for this walker. This module knows nothing of arguments, plans or
-outputs: `_audit` seeds the walk with the origin of each input and reads the result.
+host-typed gradients) are made on the same pass. Moving data within host memory
+(slicing, indexing, concatenating, padding, transposing, selecting) is not arithmetic.
+`ox.host_compute` lives here because it only marks equations for this walker. This module
+knows nothing of arguments, plans or outputs: `_audit` seeds the walk with the origin of
+each input and reads the result.
 """
 
 import dataclasses
@@ -27,52 +31,12 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from ._transfer_report import Transfer, Violation
+from ._errors import Violation
+from ._memory_space import is_host_aval as _is_host
+from ._primitives import DATA_MOVEMENT, STRUCTURAL, VIEWS, callback_name, is_callback
+from ._transfer_report import Transfer
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
-
-# Equations that move or structure values rather than compute on them: host-typed
-# operands are fine here (a scan slicing host-resident layers, a region receiving them).
-_STRUCTURAL = frozenset(
-    {
-        "device_put",
-        "scan",
-        "while",
-        "cond",
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "name",
-        "optimization_barrier",
-        "sharding_constraint",
-        "reshard",
-        "mesh_cast",
-        "pvary",
-    }
-)
-# Equations whose output is a view of their only input: the attribution follows them.
-_VIEWS = frozenset(
-    {
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "copy",
-        "copy_p",
-        "convert_element_type",
-        "transpose",
-        "reshard",
-        "sharding_constraint",
-        "mesh_cast",
-        "pvary",
-        "name",
-    }
-)
 
 
 def host_compute():
@@ -91,10 +55,6 @@ class _Origin:
     kind: str  # parameter, optimizer, input, activation, gradient
     what: str
     fetched_in: str | None = None  # phase in which a host leaf's device copy was made
-
-
-def _is_host(aval) -> bool:
-    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def _is_device(aval) -> bool:
@@ -173,16 +133,21 @@ class _Walker:
             elif prim == "name":
                 self.names_seen.add(eqn.params["name"])
                 env[eqn.outvars[0]] = _Origin("activation", eqn.params["name"])
-            elif (
-                prim in _VIEWS
-                and len(eqn.invars) == 1
-                and _is_var(eqn.invars[0])
-                and eqn.invars[0] in env
-            ):
-                if not eqn_host_ok and _is_host(eqn.invars[0].aval) and prim not in _STRUCTURAL:
+            elif is_callback(prim):
+                self._callback(eqn, count, eqn_phase, where)
+            elif prim in VIEWS or prim in DATA_MOVEMENT:
+                arithmetic = prim not in DATA_MOVEMENT and prim not in STRUCTURAL
+                if (
+                    arithmetic
+                    and not eqn_host_ok
+                    and any(_is_var(v) and _is_host(v.aval) for v in eqn.invars)
+                ):
                     self._host_arithmetic(eqn, env, where)
-                env[eqn.outvars[0]] = env[eqn.invars[0]]
-            elif prim in _STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
+                source = next((env[v] for v in eqn.invars if _is_var(v) and v in env), None)
+                if source is not None:
+                    for out in eqn.outvars:
+                        env[out] = source
+            elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 before = self.saw_backward
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
                 # A gradient computed inside a nested jit: what follows it is the update.
@@ -227,6 +192,29 @@ class _Walker:
                     dtype=str(outvar.aval.dtype),
                     count=count,
                     bytes=_nbytes(outvar.aval) * count,
+                    phase=phase,
+                    where=" > ".join(where),
+                )
+            )
+
+    def _callback(self, eqn, count, phase, where) -> None:
+        """A host callback: each operand goes to the host, each result comes back."""
+        name = callback_name(eqn)
+        moves = [("device-to-host", v.aval) for v in eqn.invars] + [
+            ("host-to-device", v.aval) for v in eqn.outvars if not _is_drop(v)
+        ]
+        for direction, aval in moves:
+            if not hasattr(aval, "shape") or _is_host(aval):
+                continue  # a token, or an operand already in host memory
+            self.transfers.append(
+                Transfer(
+                    direction=direction,  # type: ignore[arg-type]
+                    kind="callback",
+                    what=name,
+                    shape=tuple(aval.shape),
+                    dtype=str(aval.dtype),
+                    count=count,
+                    bytes=_nbytes(aval) * count,
                     phase=phase,
                     where=" > ".join(where),
                 )

@@ -22,6 +22,7 @@ import functools
 import importlib
 import os
 import pathlib
+import re
 from typing import Literal
 
 import jax
@@ -68,6 +69,8 @@ class Target:
     - `chips_per_host`: for `"tpu"`, the chips per host when fewer than the default
         (a single-chip topology).
     - `description`: one line for listings.
+    - `capacity`: bytes of memory of one device (HBM), the published figure; memory
+        reports say whether a program fits in it. None: unknown (this machine's CPU).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Target:
     config: str | None = None
     chips_per_host: tuple[int, ...] | None = None
     description: str = ""
+    capacity: int | None = None
 
     @property
     def deviceless(self) -> bool:
@@ -86,17 +90,86 @@ class Target:
         return _EXTRAS[self.platform][1] if self.platform in _EXTRAS else None
 
 
+def _gpu_capacity(config: str) -> int:
+    """`device_memory_size` of a shipped `GpuTargetConfig`: one figure for both the
+    compiler and the reports."""
+    text = (_TARGET_DIR / config).read_text()
+    match = re.search(r"^\s*device_memory_size:\s*(\d+)", text, flags=re.MULTILINE)
+    if match is None:
+        raise ValueError(f"offload_eqx/targets/{config} has no `device_memory_size`.")
+    return int(match.group(1))
+
+
+# HBM per chip as Google Cloud's TPU pages publish it ("95GB", "16 GB", "32 GB"; v5p:
+# cloud.google.com/tpu/docs/v5p, v5e: .../v5e, v6e: .../v6e), read as 10^9 bytes: the
+# smaller reading, so a program reported to fit does.
+_V5P_HBM = 95 * 10**9
+_V5E_HBM = 16 * 10**9
+_V6E_HBM = 32 * 10**9
+# The GPU figures are the `device_memory_size` of their target files: the memory CUDA
+# reports for an H100 80GB SXM5 (84,978,434,048 B, 79.1 GiB) and 80 GiB for the A100.
+_H100_HBM = _gpu_capacity("h100.txtpb")
+_A100_HBM = _gpu_capacity("a100.txtpb")
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target("cpu", "cpu", description="this machine's CPU (offloading is only a type here)"),
-        Target("h100", "cuda", "1x1x1", "h100.txtpb", description="one NVIDIA H100 80GB SXM"),
-        Target("h100-8", "cuda", "1x1x8", "h100.txtpb", description="8 NVIDIA H100 80GB, one host"),
-        Target("a100", "cuda", "1x1x1", "a100.txtpb", description="one NVIDIA A100 80GB SXM"),
-        Target("tpu-v5p", "tpu", "v5p:1x1x1", chips_per_host=(1, 1, 1), description="one TPU v5p"),
-        Target("tpu-v5p-4", "tpu", "v5p:2x2x1", description="4 TPU v5p chips (one host)"),
-        Target("tpu-v5e", "tpu", "v5e:1x1", chips_per_host=(1, 1, 1), description="one TPU v5e"),
-        Target("tpu-v6e", "tpu", "v6e:1x1", chips_per_host=(1, 1, 1), description="one TPU v6e"),
+        Target(
+            "h100",
+            "cuda",
+            "1x1x1",
+            "h100.txtpb",
+            description="one NVIDIA H100 80GB SXM",
+            capacity=_H100_HBM,
+        ),
+        Target(
+            "h100-8",
+            "cuda",
+            "1x1x8",
+            "h100.txtpb",
+            description="8 NVIDIA H100 80GB, one host",
+            capacity=_H100_HBM,
+        ),
+        Target(
+            "a100",
+            "cuda",
+            "1x1x1",
+            "a100.txtpb",
+            description="one NVIDIA A100 80GB SXM",
+            capacity=_A100_HBM,
+        ),
+        Target(
+            "tpu-v5p",
+            "tpu",
+            "v5p:1x1x1",
+            chips_per_host=(1, 1, 1),
+            description="one TPU v5p",
+            capacity=_V5P_HBM,
+        ),
+        Target(
+            "tpu-v5p-4",
+            "tpu",
+            "v5p:2x2x1",
+            description="4 TPU v5p chips (one host)",
+            capacity=_V5P_HBM,
+        ),
+        Target(
+            "tpu-v5e",
+            "tpu",
+            "v5e:1x1",
+            chips_per_host=(1, 1, 1),
+            description="one TPU v5e",
+            capacity=_V5E_HBM,
+        ),
+        Target(
+            "tpu-v6e",
+            "tpu",
+            "v6e:1x1",
+            chips_per_host=(1, 1, 1),
+            description="one TPU v6e",
+            capacity=_V6E_HBM,
+        ),
     )
 }
 

@@ -1,19 +1,20 @@
-"""The audit's result: `TransferReport`, its `Transfer` rows and `Violation`s, and `ContractError`.
+"""The audit's result: `TransferReport` and its `Transfer` rows.
 
 These are the data types `ox.audit` hands back, kept apart from how they are found (the
 jaxpr walk in `_jaxpr_walk`, the entry point in `_audit`) so that a reader of the report
 API, its table and JSON, and its assertions (`check`, `assert_only`,
 `assert_no_implicit`) need not read the walker. A `Transfer` is one move between memory
-spaces per call of the step; a `Violation` is one breach of the placement contract.
+spaces per call of the step; a `Violation` (from `_errors`, with `ContractError`) is one
+breach of the placement contract.
 """
 
 import dataclasses
 import fnmatch
 import json
-from collections.abc import Sequence
 from typing import Any, Literal
 
-from ._plan import _format_bytes
+from ._errors import ContractError as ContractError, Violation as Violation
+from ._table import format_bytes, format_table
 
 Direction = Literal["host-to-device", "device-to-host"]
 Phase = Literal["forward", "backward", "update", "call"]
@@ -26,22 +27,13 @@ _DIRECTIONS = {
 }
 
 
-class ContractError(ValueError):
-    """The audited program breaks the placement contract; `.violations` lists each
-    breach and `.report` is the full `TransferReport`."""
-
-    def __init__(self, message: str, violations: Sequence["Violation"] = (), report=None):
-        super().__init__(message)
-        self.violations = tuple(violations)
-        self.report = report
-
-
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One transfer of the program, per call of the step."""
 
     direction: Direction
-    kind: str  # parameter, optimizer, activation, gradient, output, input, intermediate
+    kind: str  # parameter, optimizer, activation, gradient, output, input, callback,
+    # intermediate
     what: str  # a leaf path, an activation name, or a description
     shape: tuple[int, ...]
     dtype: str
@@ -53,19 +45,6 @@ class Transfer:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    """One breach of the placement contract."""
-
-    rule: str
-    path: str
-    message: str
-
-
-def _mib(n: int) -> str:
-    return _format_bytes(n) if n else "0 B"
 
 
 @dataclasses.dataclass
@@ -162,8 +141,8 @@ class TransferReport:
             elif nbytes is not None and sum(t.bytes for t in matched) != nbytes:
                 got = sum(t.bytes for t in matched)
                 problems.append(
-                    f"expected {label} to move {_mib(int(nbytes))} ({int(nbytes)} bytes), "
-                    f"but it moves {_mib(got)} ({got} bytes) in {len(matched)} transfer(s)"
+                    f"expected {label} to move {format_bytes(int(nbytes))} ({int(nbytes)} bytes), "
+                    f"but it moves {format_bytes(got)} ({got} bytes) in {len(matched)} transfer(s)"
                 )
         for t in self.transfers:
             if id(t) not in claimed:
@@ -189,26 +168,23 @@ class TransferReport:
                 "x".join(map(str, t.shape)) or "()",
                 t.dtype,
                 str(t.count),
-                _mib(t.bytes),
+                format_bytes(t.bytes),
                 t.phase,
                 t.where or "-",
             )
             for t in self.transfers
         ]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Transfers per call of {self.name} (strategy {self.strategy!r})"]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-        lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append(format_table(header, rows))
         if not rows:
             lines.append("(no transfers)")
         for direction in ("device-to-host", "host-to-device"):
             phases = {}
             for t in self.select(direction):
                 phases[t.phase] = phases.get(t.phase, 0) + t.bytes
-            detail = ", ".join(f"{p} {_mib(b)}" for p, b in phases.items())
+            detail = ", ".join(f"{p} {format_bytes(b)}" for p, b in phases.items())
             lines.append(
-                f"total {direction}: {_mib(self.total(direction))}"
+                f"total {direction}: {format_bytes(self.total(direction))}"
                 + (f" ({detail})" if detail else "")
             )
         if self.violations:
@@ -247,5 +223,5 @@ def _describe(t: Transfer) -> str:
     shape = "x".join(map(str, t.shape)) or "()"
     return (
         f"{t.direction} of {t.kind} `{t.what}` ({t.dtype}[{shape}] x {t.count} = "
-        f"{_mib(t.bytes)}, {t.phase}{', in ' + t.where if t.where else ''})"
+        f"{format_bytes(t.bytes)}, {t.phase}{', in ' + t.where if t.where else ''})"
     )

@@ -304,3 +304,24 @@ def test_audit_refuses_misplaced_arguments_on_a_cached_step():
     ):
         step(model, x)  # the same device-resident model again: would copy every call
     step(ox.place(model), x)  # placed once: fine
+
+
+# -- JAX's transfer-guard text, recognised in one function -----------------------------------
+
+
+def test_jax_transfer_guard_message_is_recognised():
+    add_one = jax.jit(lambda x: x + 1)
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        with jax.transfer_guard("disallow"):
+            add_one(np.ones((2, 3), np.float32))  # JAX's own error, not ours
+    assert guard.blocked_transfer(info.value) == guard.GuardedTransfer(
+        "host-to-device", "ShapedArray(float32[2,3])"
+    )
+    assert guard.blocked_transfer(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: other")) is None
+    # The same words in another exception type are not JAX's guard.
+    assert guard.blocked_transfer(RuntimeError("Disallowed host-to-device transfer")) is None
+
+
+def test_guard_errors_are_the_public_type():
+    assert ox.ImplicitTransferError is ImplicitTransferError
+    assert issubclass(ImplicitTransferError, RuntimeError)

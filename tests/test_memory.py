@@ -1,6 +1,9 @@
 """Memory reports: structure and errors on the CPU; the tutorial's savings, in direction and
 size, from the real XLA:GPU and XLA:TPU compilers (`-m deviceless`)."""
 
+import dataclasses
+import os
+import subprocess
 import sys
 from typing import cast
 
@@ -12,7 +15,8 @@ import pytest
 from helpers import seed_model
 
 import offload_eqx as ox
-from offload_eqx._memory import compare_memory, memory_report
+from offload_eqx import compare_memory, memory_report
+from offload_eqx._table import format_bytes
 from offload_eqx._targets import TARGETS, Target, get_target
 
 MiB = 2**20
@@ -114,6 +118,37 @@ def test_targets_are_described():
     assert isinstance(get_target("a100"), Target) and get_target("a100").extra == "cuda"
 
 
+# -- issue 10 item 9: does the program fit the target? ----------------------------------------
+
+
+def test_targets_know_their_device_memory():
+    # h100/a100: `device_memory_size` of their GpuTargetConfig; TPUs: Google's published
+    # HBM per chip (95 GB v5p, 16 GB v5e, 32 GB v6e); the CPU: unknown.
+    assert TARGETS["h100"].capacity == TARGETS["h100-8"].capacity == 84_978_434_048
+    assert TARGETS["a100"].capacity == 80 * 2**30
+    assert TARGETS["tpu-v5p"].capacity == TARGETS["tpu-v5p-4"].capacity == 95 * 10**9
+    assert (TARGETS["tpu-v5e"].capacity, TARGETS["tpu-v6e"].capacity) == (16e9, 32e9)
+    assert TARGETS["cpu"].capacity is None
+
+
+def test_report_says_whether_the_program_fits():
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    tiny = Target("cpu-1kib", "cpu", capacity=1024, description="a CPU with 1 KiB")
+    small = memory_report(lambda w: w * 2, w, target=tiny)
+    assert (small.capacity, small.fits) == (1024, False)
+    needs = format_bytes(small.total)
+    assert f"does not fit: needs {needs}, the cpu-1kib has 1.00 KiB" in str(small)
+    assert small.as_dict()["fits"] is False
+    roomy = memory_report(lambda w: w * 2, w, target=dataclasses.replace(tiny, capacity=2**30))
+    assert roomy.fits is True
+    assert f"fits: needs {needs} of the 1.00 GiB the cpu-1kib has" in str(roomy)
+    unknown = memory_report(lambda w: w * 2, w, target="cpu")
+    assert unknown.fits is None and "fit not checked" in str(unknown)
+    table = str(compare_memory({"w": (lambda w: w * 2, (w,))}, target=tiny))
+    assert "fits" in table.splitlines()[1]
+    assert f"w: does not fit: needs {needs}" in table
+
+
 # -- deviceless: the tutorial's savings from the real compilers -------------------------------
 
 DEVICELESS = ["h100", "tpu-v5p"]
@@ -199,3 +234,29 @@ def test_optimizer_offload_moves_state_to_host_arguments():
     assert baseline.device["argument"] - offload.device["argument"] == 4 * p
     assert offload.host["argument"] == 4 * p
     assert 4 * p <= offload.host["output"] < 4 * p + 1024
+
+
+@pytest.mark.deviceless
+def test_a_model_larger_than_the_device_does_not_fit():
+    # 24 Gi float32 = 96 GiB of argument: more than an H100's 79.14 GiB.
+    w = jax.ShapeDtypeStruct((24, 2**30), jnp.float32)
+    r = memory_report(lambda w: jnp.sum(w, axis=1), w, target="h100")
+    assert r.fits is False and r.total > r.capacity
+    assert "does not fit" in str(r) and "the h100 has 79.14 GiB" in str(r)
+
+
+@pytest.mark.deviceless
+def test_importing_with_the_accelerator_extras_is_quiet():
+    """Issue 10 item 11: with the `cuda` and `tpu` extras installed, importing jax and
+    offload_eqx (and creating this machine's devices) prints nothing on stderr, in the
+    environment the sessions run in (noxfile.py's CPU_ENV)."""
+    code = "import jax, offload_eqx; jax.devices()"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
