@@ -1,50 +1,52 @@
 """offload_eqx: host offloading for Equinox models, declared on fields and audited.
 
-annotations (`_placement`, `_activations`, `_annotate`) -> plan (`_plan`, `_strategy`)
--> traced program (`_regions`, `_optimizer`, `_jit`, `_mesh`) -> audit / report
-(`_jaxpr_walk`, `_audit`, `_transfer_report`, `_guard`, `_memory`, `_targets`).
+The modules form layers; each imports only from the layers above it (checked by
+`../shared/tools/layers_check.py`):
+
+1. vocabulary: `_placement` (ox.field), `_activations` (ox.activations), `_strategy`,
+   `_table` (the one table formatter), `_errors` (exception types).
+2. sharding: `_memory_space` (host or device types, explicit moves), `_mesh` (specs over
+   a mesh, moving arrays onto it).
+3. plan: `_plan_walk` (reading annotations), `_remat_policy` (names under a strategy),
+   `_plan` (every placement rule: memory, sharding, mirrored optimizer state, donation,
+   outputs <-> arguments, the name checks).
+4. tracing: `_trace_state` (the one trace state), `_regions` (ox.scan, ox.checkpoint,
+   ox.name), `_annotate`, `_place` (ox.place, ox.shard), `_guard` (implicit transfers at
+   run time), `_host_use`, `_compile` (one compiled entry), `_jit` (ox.filter_jit).
+5. optimizer: `_optimizer_state`, `_optimizer_checks`, `_optimizer_stream`, `_optimizer`
+   (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
+6. inspection: `_primitives`, `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit),
+   `_targets`, `_deviceless`, `_memory_report` (ox.memory_report).
 """
 
-from ._activations import Activations as Activations, activations as activations, name as name
+from ._activations import Activations as Activations, activations as activations
 from ._annotate import annotate as annotate
 from ._audit import audit as audit
-from ._guard import (
+from ._errors import (
+    ContractError as ContractError,
+    HostUseError as HostUseError,
     ImplicitTransferError as ImplicitTransferError,
-    no_implicit_transfers as no_implicit_transfers,
+    Violation as Violation,
 )
+from ._guard import no_implicit_transfers as no_implicit_transfers
 from ._jaxpr_walk import host_compute as host_compute
-from ._jit import filter_jit as filter_jit
+from ._jit import FilterJit as FilterJit, filter_jit as filter_jit
 from ._memory import (
     MemoryComparison as MemoryComparison,
     MemoryReport as MemoryReport,
     compare_memory as compare_memory,
     memory_report as memory_report,
 )
-from ._mesh import shard as shard
 from ._optimizer import (
-    DeviceState as DeviceState,
-    OffloadedState as OffloadedState,
     apply_updates as apply_updates,
     offload_optimizer as offload_optimizer,
 )
-from ._place import place as place
+from ._place import place as place, shard as shard
 from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
-from ._regions import checkpoint as checkpoint, scan as scan
-from ._sequential import (
-    SequentialOptimizer as SequentialOptimizer,
-    SequentialState as SequentialState,
-    check_elementwise as check_elementwise,
-    check_per_leaf as check_per_leaf,
-    sequential_offload_optimizer as sequential_offload_optimizer,
-)
+from ._regions import checkpoint as checkpoint, name as name, scan as scan
 from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._targets import TARGETS as TARGETS, Target as Target, register_target as register_target
-from ._transfer_report import (
-    ContractError as ContractError,
-    Transfer as Transfer,
-    TransferReport as TransferReport,
-    Violation as Violation,
-)
+from ._transfer_report import Transfer as Transfer, TransferReport as TransferReport
 
 __version__ = "0.1.0"

@@ -1,19 +1,24 @@
 """Named activations and the per-name policy: keep on device, offload to host, or recompute."""
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import equinox as eqx
-from jax.ad_checkpoint import checkpoint_name
 
 Policy = Literal["save", "offload", "remat"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 
 
+def check_name(name: object, *, where: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{where} was given the activation name {name!r}; a name is a non-empty string, "
+            "the one passed to `ox.name(x, name)` where the activation is computed."
+        )
+
+
 def check_policy(name: str, policy: object, *, where: str) -> None:
+    check_name(name, where=where)
     if policy not in POLICIES:
         allowed = ", ".join(repr(p) for p in POLICIES)
         raise ValueError(
@@ -63,60 +68,3 @@ def activations(**policies: str) -> Any:
     ```
     """
     return eqx.field(static=True, default=Activations(**policies))
-
-
-@dataclasses.dataclass
-class _TraceRecord:
-    """What one `ox.filter_jit` trace saw, for checks after the trace."""
-
-    inside_regions: set[str] = dataclasses.field(default_factory=set)
-    outside_regions: set[str] = dataclasses.field(default_factory=set)
-    regions: int = 0
-
-
-_RECORD: contextvars.ContextVar[_TraceRecord | None] = contextvars.ContextVar(
-    "offload_eqx_record", default=None
-)
-_REGION_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "offload_eqx_region_depth", default=0
-)
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[_TraceRecord]:
-    record = _TraceRecord()
-    token = _RECORD.set(record)
-    try:
-        yield record
-    finally:
-        _RECORD.reset(token)
-
-
-@contextlib.contextmanager
-def in_region() -> Iterator[None]:
-    record = _RECORD.get()
-    if record is not None:
-        record.regions += 1
-    token = _REGION_DEPTH.set(_REGION_DEPTH.get() + 1)
-    try:
-        yield
-    finally:
-        _REGION_DEPTH.reset(token)
-
-
-def name(x: Any, name: str) -> Any:
-    """Name an activation so that the plan's policy can save, offload or recompute it.
-
-    A thin layer over `jax.ad_checkpoint.checkpoint_name` that also records, while
-    `ox.filter_jit` traces, that the name was produced and whether inside a region: a
-    declared name that the program never produces is an error, not a silent no-op.
-    """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"ox.name(x, {name!r}): the name must be a non-empty string.")
-    record = _RECORD.get()
-    if record is not None:
-        if _REGION_DEPTH.get() > 0:
-            record.inside_regions.add(name)
-        else:
-            record.outside_regions.add(name)
-    return checkpoint_name(x, name)

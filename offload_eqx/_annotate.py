@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec
 
 from ._activations import Activations, check_policy
 from ._placement import METADATA_KEY, Memory, Placement, check_memory
-from ._plan import ANNOTATION_ATTRIBUTE
+from ._plan_walk import ANNOTATION_ATTRIBUTE
+from ._regions import checkpoint
+from ._trace_state import inside_region
 
 _SUBCLASSES: dict[tuple, type] = {}
 
@@ -31,10 +33,36 @@ class _Marker:
         self.value = value
 
 
+class _Call(eqx.Module):
+    """`method(module, ...)`: the original `__call__` of an annotated module, as a module
+    whose arrays a region sees (and fetches)."""
+
+    module: Any
+    method: Any = eqx.field(static=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.method(self.module, *args, **kwargs)
+
+
+def _with_region(call: Any) -> Any:
+    """An annotated module's `__call__`: the original one, inside a region (so the
+    module's host-resident leaves are fetched there), unless a region encloses it."""
+
+    def __call__(self, *args, **kwargs):
+        if inside_region():
+            return call(self, *args, **kwargs)
+        return checkpoint(_Call(self, call), *args, **kwargs)
+
+    return __call__
+
+
 def _annotated_class(
-    cls: type, fields: frozenset[tuple[str, Placement]], activations: Activations | None
+    cls: type,
+    fields: frozenset[tuple[str, Placement]],
+    activations: Activations | None,
+    region: bool = False,
 ) -> type:
-    key = (cls, fields, activations)
+    key = (cls, fields, activations, region)
     try:
         return _SUBCLASSES[key]
     except KeyError:
@@ -61,6 +89,8 @@ def _annotated_class(
         merged = dict(inherited.items()) if inherited is not None else {}
         merged.update(activations.items())
         namespace[ANNOTATION_ATTRIBUTE] = Activations(**merged)
+    if region and fields and callable(getattr(cls, "__call__", None)):
+        namespace["__call__"] = _with_region(cls.__call__)
     subclass = type(cls.__name__, (cls,), namespace)
     subclass.__qualname__ = cls.__qualname__
     _SUBCLASSES[key] = subclass
@@ -88,6 +118,7 @@ def annotate(
     memory: str | None = None,
     spec: PartitionSpec | None = None,
     activations: Activations | dict[str, str] | None = None,
+    region: bool = True,
 ) -> Any:
     """Declare placements and activation policies on modules you cannot edit.
 
@@ -100,6 +131,12 @@ def annotate(
     - `spec`: an optional `PartitionSpec` for the selected leaves.
     - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
         declared on the selected modules.
+    - `region`: with `memory=`, each selected module (or the module owning a selected
+        field) runs its `__call__` in a remat region when no region encloses the call,
+        so its host-resident leaves are fetched there, one module at a time, under every
+        strategy; its cost is that of `ox.checkpoint` (the call is recomputed in the
+        backward pass unless the strategy saves everything). `region=False` opts out:
+        call the module through `ox.scan`/`ox.checkpoint` yourself.
 
     **Returns:** a copy of `tree`; the original is not changed.
 
@@ -113,6 +150,11 @@ def annotate(
             "ox.annotate(...) was given neither `memory=` nor `activations=`: there is "
             "nothing to annotate. Pass memory='pinned_host' (or 'device'), and/or "
             "activations={'name': 'offload'}."
+        )
+    if not callable(where):
+        raise TypeError(
+            f"ox.annotate(tree, where={where!r}): `where` is a function selecting nodes of "
+            "the tree, as in `eqx.tree_at`, e.g. `lambda m: m.layers[0]`."
         )
     placement = None
     if memory is not None:
@@ -140,7 +182,7 @@ def annotate(
                 if placement
                 else frozenset()
             )
-            return _copy_as(inner, _annotated_class(type(inner), fields, activations))
+            return _copy_as(inner, _annotated_class(type(inner), fields, activations, region))
         if isinstance(node, eqx.Module):
             overrides = []
             values = {}
@@ -162,7 +204,7 @@ def annotate(
                 values[f.name] = rebuild(value, child_path)
             cls = type(node)
             if overrides:
-                cls = _annotated_class(cls, frozenset(overrides), None)
+                cls = _annotated_class(cls, frozenset(overrides), None, region)
             new = object.__new__(cls)
             for name, value in values.items():
                 object.__setattr__(new, name, value)

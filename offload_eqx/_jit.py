@@ -1,363 +1,278 @@
 """`ox.filter_jit`: `eqx.filter_jit` that compiles a plan into shardings and donation.
 
-Per call it flattens the arguments once, looks the static part up in a cache, and calls a
-`jax.jit` whose arguments are the array leaves themselves: explicit `in_shardings` from
-the plan (so an argument in the wrong memory is never silently copied), `out_shardings`
-from the memory space of each traced output, and donation decided per leaf.
+The wrapper is an `eqx.Module`, and the function is partitioned with its arguments as in
+`eqx.filter_jit`: a module (or a bound method of one) as the function has its arrays
+traced, planned (`fn.layers[1].weight`), placed and donated like any argument. Per call
+it flattens once, looks the static part (structure, static leaves, shapes and dtypes) up
+in a cache, and calls a `jax.jit` whose arguments are the array leaves themselves.
 """
 
-import dataclasses
-import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
-import numpy as np
 from jax.core import Tracer
 
-from ._activations import recording
-from ._context import type_matches, using_plan
-from ._mesh import check_mesh, output_sharding, output_shardings, put, same_place
-from ._plan import Plan, format_path
+from ._compile import Compilation, compile_entry
+from ._errors import ImplicitTransferError
+from ._guard import no_implicit_transfers
+from ._mesh import check_mesh, put, same_place
+from ._plan import Plan
+from ._plan_walk import ARRAY_TYPES, format_keys
 from ._strategy import Strategy, resolve_strategy
+from ._trace_state import current, tracing
 
 Donate = Literal["all", "all-except-first", "none"]
 _DONATE = ("all", "all-except-first", "none")
-
-_HOST_OUTSIDE_REGION = (
-    "A host-resident array was used outside any `ox.scan`/`ox.checkpoint` region: "
-    "{error} Host-resident leaves in this call: {paths}. Arrays in pinned_host memory are "
-    "fetched to the device only inside regions; call the module that uses them through "
-    "`ox.scan(...)` or `ox.checkpoint(...)`, or place them on the device "
-    "(`ox.field(memory='device')`, or a strategy that keeps parameters on the device)."
-)
-_MISTYPED = (
-    "Argument `{path}` is in {kind!r} memory but its type is `{type}`: it was probably "
-    "made by a `jax.jit` whose `out_shardings` put a device-typed result in host memory, "
-    "and JAX would compile it as device memory. Re-place it once, outside the step: "
-    "`ox.place(...)`, or `jax.device_put(x, jax.memory.Space.Host)`."
-)
 _MEMORY_MISMATCH = "Memory kinds passed to jax.jit does not match"
 _SHARDING_MISMATCH = "Sharding passed to jit does not match"
+# A wrapper warns once its cache holds this many compilations (see `_compile_new`).
+CACHE_WARNING = 32
+
+_SAME_BUFFER = (
+    "ox.filter_jit({name}): the same array is passed as `{first}` and `{second}`, and "
+    "donation would hand its buffer to the program twice. Pass a copy for one of them "
+    "(`jnp.copy(x)`), or donate less (`donate='none'` or `'all-except-first'`)."
+)
+_STATIC_RECOMPILE = (
+    "ox.filter_jit({name}, audit=True): {leaves} changed since the last call; non-array "
+    "leaves are static, so every new value compiles the step again. Pass arrays for "
+    "values that change (`jnp.asarray(...)`)."
+)
+_CACHE_GROWS = (
+    "ox.filter_jit({name}) has compiled {count} versions of the step; the static "
+    "(non-array) leaves that differ between them include {leaves}. Every new static value "
+    "compiles again and keeps its program in memory: pass arrays for values that change."
+)
 
 
-_DYNAMIC = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+def _describe(fn: Any) -> str:
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
 
 
-def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, _DYNAMIC)
+class _Cache:
+    """The compilations of one wrapper (identity-hashed, so it can be a static field)."""
+
+    def __init__(self):
+        self.entries: dict[Any, Compilation] = {}
 
 
-def _labels(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """Name each argument after the function's parameters, for readable leaf paths."""
+def _signature(fn: Any) -> inspect.Signature | None:
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        return inspect.signature(fn)
     except (TypeError, ValueError):
-        parameters = []
-    roots = []
-    positional = [
-        p
-        for p in parameters
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    for i, arg in enumerate(args):
-        label = positional[i].name if i < len(positional) else f"args[{i}]"
-        roots.append((label, arg))
-    for key in sorted(kwargs):
-        roots.append((key, kwargs[key]))
-    return roots
+        return None
 
 
-@dataclasses.dataclass
-class Compilation:
-    """What `ox.filter_jit` compiles for one cache entry: a flat function of the array
-    leaves, and everything needed to compile it for another backend (`ox.memory_report`)
-    or to walk its program (`ox.audit`)."""
+class FilterJit(eqx.Module):
+    """What `ox.filter_jit` returns. Call it like the function; `.plan`, `.trace`,
+    `.lower` and `.compilation` take the same arguments."""
 
-    jitted: Any  # jax.jit(flat, in_shardings, out_shardings, donate_argnums)
-    flat: Callable[..., list]  # array leaves in, array leaves out
-    plan: Plan  # plan.leaves[i] describes argument i of `flat`
-    in_shardings: tuple  # None: not managed (compiled wherever the argument is)
-    out_avals: tuple  # traced output types (memory space included)
-    out_shardings: tuple
-    donate_argnums: tuple[int, ...]
-    # [out_treedef, out_static, out_mask], written by each trace of the function: a new
-    # input shape retraces before the call returns, so the cell always matches the output.
-    out_cell: list
-
-    def abstract(self, dynamic: list) -> list[jax.ShapeDtypeStruct]:
-        """Abstract arguments typed by their planned memory."""
-        return [
-            jax.ShapeDtypeStruct(
-                np.shape(leaf),
-                leaf.dtype,
-                sharding=_typed(s if s is not None else getattr(leaf, "sharding", None)),
-            )
-            for leaf, s in zip(dynamic, self.in_shardings)
-        ]
+    fn: Any
+    strategy: Strategy = eqx.field(static=True)
+    donate: str = eqx.field(static=True)
+    mesh: Any = eqx.field(static=True)
+    audit: bool = eqx.field(static=True)
+    fn_has_arrays: bool = eqx.field(static=True)
+    signature: Any = eqx.field(static=True, repr=False)
+    cache: _Cache = eqx.field(static=True, repr=False)
 
     @property
-    def out_memories(self) -> tuple[str, ...]:
-        return tuple("pinned_host" if _is_host_aval(a) else "device" for a in self.out_avals)
-
-    def output_paths(self, root: str = "output") -> list[str]:
-        """The leaf path of each array output, e.g. `output[0].layers.w1`."""
-        out_treedef, out_static, out_mask = self.out_cell
-        placeholders = jax.tree_util.tree_unflatten(out_treedef, list(range(len(out_mask))))
-        paths = jax.tree_util.tree_flatten_with_path(placeholders)[0]
-        return [format_path(root, path) for (path, i) in paths if out_mask[i]]
-
-    def rebuild(self, dynamic_out):
-        out_treedef, out_static, out_mask = self.out_cell
-        if not out_static:  # all outputs are arrays: the common case, kept cheap
-            return jax.tree_util.tree_unflatten(out_treedef, dynamic_out)
-        dynamic_iter = iter(dynamic_out)
-        static_iter = iter(out_static)
-        leaves = [next(dynamic_iter) if m else next(static_iter) for m in out_mask]
-        return jax.tree_util.tree_unflatten(out_treedef, leaves)
-
-
-def _device_of(leaves: list) -> Any:
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            devices = leaf.sharding.device_set
-            if len(devices) == 1:
-                return next(iter(devices))
-    return jax.devices()[0]
-
-
-class _JitWrapper:
-    __name__: str  # set by `functools.update_wrapper`
-
-    def __init__(self, fn: Callable, strategy: Strategy, donate: Donate, mesh, audit: bool):
-        self.fn = fn
-        self.audit = audit
-        self.strategy = strategy
-        self.donate = donate
-        self.mesh = mesh
-        self._cache: dict[Any, Compilation] = {}
-        functools.update_wrapper(self, fn)
+    def __wrapped__(self):
+        return self.fn
 
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        return functools.partial(self, instance)
+        return jax.tree_util.Partial(self, instance)
 
-    # -- the per-call path -----------------------------------------------------------
+    # -- the per-call path -------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.audit:
-            from ._guard import no_implicit_transfers
-
-            with no_implicit_transfers(_labels(self.fn, args, kwargs)):
+            with no_implicit_transfers(self.arguments(*args, **kwargs)):
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
 
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs and self.signature is not None:
+            bound = self.signature.bind(*args, **kwargs)
+            return bound.args, bound.kwargs
+        return args, kwargs
+
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = []
-        statics = []
-        mask = []
+        args, kwargs = self._bind(args, kwargs)
+        tree = (self.fn, args, kwargs) if self.fn_has_arrays else (args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        dynamic, statics, mask, types = [], [], [], []
         for leaf in leaves:
-            if isinstance(leaf, _DYNAMIC):
+            if isinstance(leaf, ARRAY_TYPES):
                 if isinstance(leaf, Tracer):
-                    # Called inside another trace: inline, like a nested jax.jit would.
-                    return self.fn(*args, **kwargs)
+                    return self._inline(args, kwargs)
                 dynamic.append(leaf)
                 mask.append(True)
+                types.append((leaf.shape, leaf.dtype))
             else:
                 statics.append(leaf)
                 mask.append(False)
-        mask = tuple(mask)
-        key = (treedef, mask, tuple(statics))
+        key = (treedef, tuple(mask), tuple(statics), tuple(types))
         try:
-            entry = self._cache.get(key)
+            entry = self.cache.entries.get(key)
         except TypeError as e:
             raise TypeError(
-                f"ox.filter_jit({getattr(self.fn, '__name__', self.fn)}): a non-array "
-                f"argument is not hashable ({e}). Non-array leaves are static (part of the "
-                "compile cache key), so they must be hashable: pass arrays for values that "
-                "change, or make the object hashable."
+                f"ox.filter_jit({_describe(self.fn)}): a non-array argument is not hashable "
+                f"({e}). Non-array leaves are static (part of the compile cache key), so they "
+                "must be hashable: pass arrays for values that change, or make the object "
+                "hashable."
             ) from None
         if entry is None:
-            entry = self._compile(args, kwargs, leaves, treedef, mask, dynamic)
-            self._cache[key] = entry
+            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
             dynamic = _move(dynamic, entry.in_shardings)
+        if entry.donate_argnums and len(set(map(id, dynamic))) < len(dynamic):
+            self._check_distinct(entry, dynamic)
         try:
             out = entry.jitted(*dynamic)
         except ValueError as e:
             if _MEMORY_MISMATCH not in str(e) and _SHARDING_MISMATCH not in str(e):
                 raise
-            # Arguments not yet where the plan puts them (e.g. a new strategy on a model
-            # placed for another): move them once, explicitly. The outputs come back in
-            # planned memory, so the next call moves nothing. Under audit, a cached step
-            # that keeps receiving misplaced arguments is an error: it would copy them on
-            # every call.
+            # Arguments not yet where the plan puts them (a new strategy on a model placed
+            # for another): move them once, explicitly; the outputs come back in planned
+            # memory, so the next call moves nothing. Under audit, a cached step that
+            # keeps receiving misplaced arguments is an error: it would copy every call.
             if self.audit:
                 _raise_misplaced(entry, dynamic)
             out = entry.jitted(*_move(dynamic, entry.in_shardings))
         return entry.rebuild(out)
 
-    # -- compiling an entry ----------------------------------------------------------
+    def _inline(self, args: tuple, kwargs: dict) -> Any:
+        """Called inside another trace: run inline, like a nested `jax.jit`, under this
+        wrapper's own plan, and check its names; they count for the outer trace too."""
+        plan = self.plan(*args, **kwargs)
+        leaves = [x for x in jax.tree_util.tree_leaves(self._tree(args, kwargs)) if isinstance(x, ARRAY_TYPES)]
+        outer = current()
+        with tracing(plan, leaves) as state:
+            out = self.fn(*args, **kwargs)
+        plan.check_names(state.inside_regions, state.outside_regions, state.regions)
+        if outer is not None:
+            outer.inside_regions |= state.inside_regions
+            outer.outside_regions |= state.outside_regions
+            outer.regions += state.regions
+        return out
+
+    def _tree(self, args: tuple, kwargs: dict) -> tuple:
+        return (self.fn, args, kwargs) if self.fn_has_arrays else (args, kwargs)
+
+    # -- compiling an entry ------------------------------------------------------------
+
+    def arguments(self, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Each argument with its label (the function's parameter names), in the order
+        of the array leaves of the call: `[("model", model), ("x", x)]`."""
+        args, kwargs = self._bind(args, kwargs)
+        parameters = [] if self.signature is None else list(self.signature.parameters.values())
+        positional = [
+            p.name
+            for p in parameters
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        roots = [("fn", self.fn)] if self.fn_has_arrays else []
+        for i, arg in enumerate(args):
+            roots.append((positional[i] if i < len(positional) else f"args[{i}]", arg))
+        roots.extend((key, kwargs[key]) for key in sorted(kwargs))
+        return roots
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan this function applies to these arguments (nothing is compiled)."""
-        return Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
+        return Plan(self.arguments(*args, **kwargs), self.strategy, self.mesh)
 
-    def _donated(self, plan: Plan, args: tuple, dynamic: list, out_avals) -> tuple[int, ...]:
-        if self.donate == "none":
-            return ()
-        first = 0
-        if self.donate == "all-except-first" and args:
-            first = sum(1 for leaf in jax.tree_util.tree_leaves(args[0]) if _is_dynamic(leaf))
-        outputs: dict[tuple, int] = {}
-        for aval in out_avals:
-            key = (tuple(aval.shape), aval.dtype, _is_host_aval(aval))
-            outputs[key] = outputs.get(key, 0) + 1
-        donated = []
-        for i, (leaf, leaf_plan) in enumerate(zip(dynamic, plan.leaves)):
-            if i < first or isinstance(leaf, (np.ndarray, np.generic)):
-                continue  # numpy arguments are copied in anyway: nothing to donate
-            current = getattr(leaf, "sharding", None)  # a ShapeDtypeStruct may have none
-            host = leaf_plan.memory == "pinned_host" or (
-                leaf_plan.memory is None
-                and current is not None
-                and current.memory_kind == "pinned_host"
-            )
-            key = (leaf_plan.shape, leaf_plan.dtype, host)
-            if outputs.get(key, 0) == 0:
-                continue  # no output could reuse it: donating would only warn
-            outputs[key] -= 1
-            donated.append(i)
-        return tuple(donated)
-
-    def _make_flat(self, plan: Plan, treedef, mask, statics, entry_cell: list):
-        fn = self.fn
-
-        def flat(*dynamic):
-            dynamic_iter = iter(dynamic)
-            static_iter = iter(statics)
-            leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
-            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-            with using_plan(plan, dynamic), recording() as record:
-                try:
-                    out = fn(*args, **kwargs)
-                except ValueError as e:
-                    if "memory_space of all inputs" not in str(e):
-                        raise
-                    paths = ", ".join(f"`{leaf.path}`" for leaf in plan.leaves_in("pinned_host"))
-                    raise ValueError(
-                        _HOST_OUTSIDE_REGION.format(
-                            error=str(e).split("\n")[0], paths=paths or "none"
-                        )
-                    ) from None
-            plan.check_trace(record.inside_regions, record.outside_regions, record.regions)
-            out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
-            out_mask = tuple(map(_is_dynamic, out_leaves))
-            entry_cell[:] = [
-                out_treedef,
-                tuple(x for x, m in zip(out_leaves, out_mask) if not m),
-                out_mask,
-            ]
-            return [x for x, m in zip(out_leaves, out_mask) if m]
-
-        return flat
-
-    def _compile(self, args, kwargs, leaves, treedef, mask, dynamic) -> Compilation:
-        plan = Plan(_labels(self.fn, args, kwargs), self.strategy, self.mesh)
-        for leaf, leaf_plan in zip(dynamic, plan.leaves):
-            if isinstance(leaf, jax.Array) and not type_matches(leaf):
-                raise ValueError(
-                    _MISTYPED.format(
-                        path=leaf_plan.path,
-                        kind=leaf.sharding.memory_kind,
-                        type=jax.typeof(leaf).str_short(),
-                    )
+    def _compile_new(self, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Compilation:
+        name = _describe(self.fn)
+        similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1]]
+        if similar:
+            changed = _changed_statics(tree, mask, similar[-1][2], key[2])
+            if self.audit and changed:
+                raise ImplicitTransferError(_STATIC_RECOMPILE.format(name=name, leaves=changed))
+            if len(self.cache.entries) + 1 == CACHE_WARNING:
+                warnings.warn(
+                    _CACHE_GROWS.format(name=name, count=CACHE_WARNING, leaves=changed or "none"),
+                    stacklevel=4,
                 )
+        plan = self.plan(*args, **kwargs)
         plan.check_strategy()
+        keep_root = None
+        if self.donate == "all-except-first" and args:
+            keep_root = 1 if self.fn_has_arrays else 0
+        fn = self.fn
+        call = (
+            (lambda t: t[0](*t[1], **t[2]))
+            if self.fn_has_arrays
+            else (lambda t: fn(*t[0], **t[1]))
+        )
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
-        # Every argument gets an explicit sharding, unmanaged ones their current one: JAX
-        # pairs donated inputs with outputs by memory kind only when all memory kinds
-        # are known; otherwise it may alias a device buffer to a host output (or the
-        # reverse), and the runtime aborts the process.
-        in_shardings = tuple(
-            plan.sharding(leaf_plan, getattr(leaf, "sharding", None))
-            for leaf, leaf_plan in zip(dynamic, plan.leaves)
+        entry = compile_entry(
+            call, plan, treedef, mask, statics, dynamic, self.donate, keep_root,
+            f"ox.filter_jit({name})",
         )
-        cell: list = []
-        flat = self._make_flat(plan, treedef, mask, statics, cell)
-        entry = Compilation(
-            jitted=None,
-            flat=flat,
-            plan=plan,
-            in_shardings=in_shardings,
-            out_avals=(),
-            out_shardings=(),
-            donate_argnums=(),
-            out_cell=cell,
-        )
-        # Trace on abstract values typed by the *planned* memory, whatever memory the
-        # arguments are in now (they are moved before the first call).
-        try:
-            traced = jax.jit(flat).trace(*entry.abstract(dynamic))
-        except ValueError as error:
-            if not str(error).startswith("A host-resident array was used outside"):
-                raise
-            # Name the leaf itself: retrace with one host-resident leaf at a time
-            # (costly, but only on this error path).
-            from ._audit import _locate_host_use
-
-            raise _locate_host_use(self, args, kwargs, error, "ox.filter_jit") from None
-        entry.out_avals = tuple(traced.jaxpr.out_avals)
-        device = _device_of(dynamic)
-        if plan.mesh is None:
-            entry.out_shardings = tuple(
-                _out_sharding(aval, device, None) for aval in entry.out_avals
-            )
-        else:  # outputs shaped like an argument keep its shardings (see _mesh)
-            entry.out_shardings = output_shardings(
-                plan.mesh, (args, kwargs), in_shardings, _is_dynamic, cell, entry.out_avals
-            )
-        entry.donate_argnums = self._donated(plan, args, dynamic, entry.out_avals)
-        entry.jitted = jax.jit(
-            flat,
-            in_shardings=in_shardings,
-            out_shardings=list(entry.out_shardings),
-            donate_argnums=entry.donate_argnums,
-        )
+        self.cache.entries[key] = entry
         return entry
 
-    def _entry_for(self, args, kwargs) -> tuple[Compilation, list]:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        mask = tuple(map(_is_dynamic, leaves))
-        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
-        dynamic = [leaf for leaf, m in zip(leaves, mask) if m]
-        key = (treedef, mask, statics)
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._compile(args, kwargs, leaves, treedef, mask, dynamic)
-            self._cache[key] = entry
-        return entry, dynamic
+    def _check_distinct(self, entry: Compilation, dynamic: list) -> None:
+        seen: dict[int, int] = {}
+        donated = set(entry.donate_argnums)
+        for i, x in enumerate(dynamic):
+            j = seen.setdefault(id(x), i)
+            if j != i and (i in donated or j in donated):
+                raise ValueError(
+                    _SAME_BUFFER.format(
+                        name=_describe(self.fn),
+                        first=entry.plan.leaves[j].path,
+                        second=entry.plan.leaves[i].path,
+                    )
+                )
 
-    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
-        """Trace for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
-        entry, dynamic = self._entry_for(args, kwargs)
-        return entry.jitted.trace(*entry.abstract(dynamic))
+    def _entry_for(self, args: tuple, kwargs: dict) -> tuple[Compilation, list]:
+        args, kwargs = self._bind(args, kwargs)
+        tree = self._tree(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+        dynamic = [x for x, m in zip(leaves, mask) if m]
+        statics = tuple(x for x, m in zip(leaves, mask) if not m)
+        key = (treedef, mask, statics, tuple((x.shape, x.dtype) for x in dynamic))
+        entry = self.cache.entries.get(key)
+        if entry is None:
+            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        return entry, dynamic
 
     def compilation(self, *args: Any, **kwargs: Any) -> tuple[Compilation, list]:
         """The cache entry for these arguments and their array leaves (for reports and
         the audit: `entry.flat`, `entry.plan`, `entry.abstract(leaves)`)."""
         return self._entry_for(args, kwargs)
 
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
+        """Trace for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
+        entry, dynamic = self._entry_for(args, kwargs)
+        return entry.jitted.trace(*entry.abstract(dynamic))
+
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
         return self.trace(*args, **kwargs).lower()
 
 
-def _raise_misplaced(entry: Compilation, dynamic: list) -> None:
-    from ._guard import ImplicitTransferError
+def _changed_statics(tree: Any, mask: Any, old: tuple, new: tuple) -> str:
+    """The paths and values of the static leaves that differ between two cache keys."""
+    paths = [
+        format_keys(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(tree)[0], mask) if not m
+    ]
+    changed = [
+        f"`args{path}` ({a!r} -> {b!r})" for path, a, b in zip(paths, old, new) if a is not b and a != b
+    ]
+    return ", ".join(changed[:3])
 
+
+def _raise_misplaced(entry: Compilation, dynamic: list) -> None:
     misplaced = [
         f"`{leaf_plan.path}` is in {x.sharding.memory_kind!r}, planned {s.memory_kind!r}"
         for x, s, leaf_plan in zip(dynamic, entry.in_shardings, entry.plan.leaves)
@@ -383,43 +298,10 @@ def _move(dynamic: list, shardings: tuple) -> list:
     ]
 
 
-@functools.cache
-def _single_device_mesh(device: Any) -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.array([device]), ("_device",))
-
-
-def _typed(sharding):
-    """A sharding that types a `jax.ShapeDtypeStruct` by its memory kind.
-
-    A `ShapeDtypeStruct` with a `SingleDeviceSharding(..., memory_kind="pinned_host")`
-    traces as device memory; the equivalent `NamedSharding` traces as `<host>`.
-    """
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        (device,) = sharding.device_set
-        return jax.sharding.NamedSharding(
-            _single_device_mesh(device),
-            jax.sharding.PartitionSpec(),
-            memory_kind=sharding.memory_kind,
-        )
-    return sharding
-
-
-def _is_host_aval(aval) -> bool:
-    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
-
-
-def _out_sharding(aval, device, mesh):
-    memory = "pinned_host" if _is_host_aval(aval) else "device"
-    if mesh is not None:
-        # Outputs keep their shardings (an FSDP parameter stays sharded); see _mesh.
-        return output_sharding(aval, mesh, memory)
-    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory)
-
-
 def filter_jit(
     fn: Callable | None = None,
     *,
-    strategy: "str | Strategy | None" = None,
+    strategy: "str | Strategy | Plan | None" = None,
     donate: str = "none",
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     audit: bool = False,
@@ -428,22 +310,29 @@ def filter_jit(
 
     **Arguments:**
 
-    - `fn`: the function. Array leaves of its arguments are traced, everything else is
-        static, as in `eqx.filter_jit`. Both `@ox.filter_jit` and `@ox.filter_jit(...)`.
+    - `fn`: the function, or a module (or a bound method of one) whose arrays are then
+        traced, planned and donated like an argument's (paths `fn.layers[0].weight`).
+        Array leaves of its arguments are traced, everything else is static, as in
+        `eqx.filter_jit`. Both `@ox.filter_jit` and `@ox.filter_jit(...)`.
     - `strategy`: `"annotated"` (default: the model's own annotations), `"baseline"`,
         `"remat"`, `"offload_activations"`, `"offload_params"`, `"offload_optimizer"`,
-        `"hybrid"`, or an `ox.Strategy`.
-    - `donate`: `"all"`, `"all-except-first"` or `"none"`, decided per array leaf.
+        `"hybrid"`, an `ox.Strategy`, or an `ox.Plan` (its strategy and mesh).
+    - `donate`: `"all"`, `"all-except-first"` or `"none"`, decided per array leaf; the
+        first argument is the first one of the function's signature, however passed.
     - `mesh`: the mesh for leaves declared with a partition spec.
     - `audit`: run every call under `ox.no_implicit_transfers()`: an argument that would
         be copied implicitly (a numpy array, a Python scalar, an array on another device)
-        is an error naming its leaf path.
+        is an error naming its leaf path, and so is a static leaf whose new value would
+        compile the step again.
 
     Arguments are compiled with explicit input shardings from the plan; outputs get the
     memory kind of their traced type, so a host-resident parameter updated with
     `ox.apply_updates` comes back in `pinned_host`. Arguments that are not yet where the
     plan puts them are moved there once, explicitly, on the call.
     """
+    if isinstance(strategy, Plan):
+        mesh = strategy.mesh if mesh is None else mesh
+        strategy = strategy.strategy
     strategy = resolve_strategy(strategy)
     check_mesh(mesh, where="ox.filter_jit(mesh=...)")
     if donate not in _DONATE:
@@ -452,8 +341,27 @@ def filter_jit(
             + ", ".join(repr(d) for d in _DONATE)
             + "."
         )
-    if fn is None:
-        return functools.partial(
-            filter_jit, strategy=strategy, donate=donate, mesh=mesh, audit=audit
+    if not isinstance(audit, bool):
+        raise TypeError(
+            f"ox.filter_jit(audit={audit!r}): expected True or False (a {type(audit).__name__} "
+            "would be read as its truth value)."
         )
-    return _JitWrapper(fn, strategy, donate, mesh, audit)
+    if fn is None:
+        return lambda fn: filter_jit(fn, strategy=strategy, donate=donate, mesh=mesh, audit=audit)
+    if not callable(fn):
+        raise TypeError(
+            f"ox.filter_jit was given {fn!r} (a {type(fn).__name__}), which is not callable. "
+            "Pass the function (or module) to compile."
+        )
+    has_arrays = any(isinstance(x, ARRAY_TYPES) for x in jax.tree_util.tree_leaves(fn))
+    wrapper = FilterJit(
+        fn=fn,
+        strategy=strategy,
+        donate=donate,
+        mesh=mesh,
+        audit=audit,
+        fn_has_arrays=has_arrays,
+        signature=_signature(fn),
+        cache=_Cache(),
+    )
+    return eqx.module_update_wrapper(wrapper)

@@ -1,43 +1,37 @@
-"""`ox.place`: move every array leaf to the memory its plan gives it."""
+"""Moving arrays to where the plan puts them: `ox.place` for pytrees, `ox.shard` for batches
+and activations."""
 
 from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._context import type_matches
-from ._mesh import put
+from ._memory_space import to_host, type_matches
+from ._mesh import AnyMesh, check_mesh, check_spec, put, resolve_mesh
+from ._placement import check_memory
 from ._plan import Plan
-from ._strategy import Strategy, resolve_strategy
+from ._plan_walk import format_keys
+from ._strategy import Strategy
+from ._trace_state import active_plan
 
 
-def planned_shardings(
-    tree: Any,
-    strategy: "str | Strategy | None" = None,
-    *,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    name: str = "tree",
-) -> Any:
-    """A pytree like `tree` holding each array leaf's planned sharding (None elsewhere)."""
-    plan = Plan([(name, tree)], resolve_strategy(strategy), mesh)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    plans = iter(plan.leaves)
-    shardings = []
-    for leaf in leaves:
-        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            leaf_plan = next(plans)
-            current = getattr(leaf, "sharding", None)
-            shardings.append(plan.sharding(leaf_plan, current))
-        else:
-            shardings.append(None)
-    return jax.tree_util.tree_unflatten(treedef, shardings)
+def _retyped(moved: jax.Array, sharding: Any) -> jax.Array:
+    """`device_put` returns an array already in place unchanged, even when its type
+    disagrees with its memory kind; retype it with an explicit move."""
+    if type_matches(moved):
+        return moved
+    host = sharding.memory_kind == "pinned_host"
+    space = jax.memory.Space.Host if host else jax.memory.Space.Device
+    return jax.device_put(moved, space)
 
 
 def place(
     tree: Any,
     strategy: "str | Strategy | None" = None,
     *,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    mesh: AnyMesh | None = None,
 ) -> Any:
     """Move every array leaf of `tree` to the memory (and sharding) its plan gives it.
 
@@ -51,23 +45,77 @@ def place(
     Leaves that nothing manages stay where they are. Each move is one explicit
     `jax.device_put`; leaves already in place are not copied. Returns a new pytree.
     """
-    shardings = planned_shardings(tree, strategy, mesh=mesh)
+    shardings = Plan([("tree", tree)], strategy, mesh).tree_shardings(0)
 
     def move(leaf, sharding):
         if sharding is None or not eqx.is_array(leaf):
             return leaf
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding and type_matches(leaf):
             return leaf
-        moved = put(leaf, sharding)  # also onto a mesh spanning several processes
-        if not type_matches(moved):
-            # device_put returns an array already in place unchanged, even when its type
-            # disagrees with its memory kind; retype it with an explicit move.
-            space = (
-                jax.memory.Space.Host
-                if sharding.memory_kind == "pinned_host"
-                else jax.memory.Space.Device
-            )
-            moved = jax.device_put(moved, space)
-        return moved
+        return _retyped(put(leaf, sharding), sharding)  # also across processes
 
     return jax.tree_util.tree_map(move, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def shard(
+    x: Any,
+    spec: PartitionSpec,
+    mesh: AnyMesh | None = None,
+    *,
+    memory: str = "device",
+) -> Any:
+    """Shard an array (or every array of a pytree) over a mesh: a batch or an activation.
+
+    **Arguments:**
+
+    - `x`: an array or a pytree of arrays.
+    - `spec`: a `PartitionSpec` over mesh axis names, e.g. `P('data')` for a batch.
+    - `mesh`: the mesh. Inside `ox.filter_jit` it defaults to the step's mesh.
+    - `memory`: `"device"` or `"pinned_host"`.
+
+    Outside a trace this is one explicit transfer (also onto a mesh spanning several
+    processes: each process passes the same whole value). Inside a trace it constrains
+    the sharding of an activation (`reshard` under `Explicit` axes,
+    `with_sharding_constraint` under `Auto` axes), and `memory="pinned_host"` then moves
+    it to host memory explicitly.
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(
+            f"ox.shard(x, spec={spec!r}): the spec is a {type(spec).__name__}; expected a "
+            "`jax.sharding.PartitionSpec`, e.g. `P('data')`."
+        )
+    check_memory(memory, where="ox.shard(memory=...)")
+    leaves = jax.tree_util.tree_flatten_with_path(x)[0]
+    not_arrays = [(p, v) for p, v in leaves if not eqx.is_array(v)]
+    if not_arrays or not leaves:
+        path, value = not_arrays[0] if not_arrays else ((), x)
+        raise TypeError(
+            f"ox.shard: `x{format_keys(path)}` is {value!r} (a {type(value).__name__}), not an "
+            "array. Shard arrays: convert it first, e.g. `ox.shard(jnp.asarray(x), spec, mesh)`."
+        )
+    traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in leaves)
+    if mesh is None:
+        plan = active_plan() if traced else None
+        mesh = None if plan is None else plan.mesh
+        if mesh is None:
+            mesh = resolve_mesh([("x", x)])
+    check_mesh(mesh, where="ox.shard(mesh=...)")
+    if mesh is None:
+        raise ValueError(
+            f"ox.shard(x, {spec}) was given no mesh, is not inside an `ox.filter_jit` with "
+            "a mesh, and `x` is on no mesh. Pass the mesh: `ox.shard(x, spec, mesh)`."
+        )
+    for path, leaf in leaves:
+        check_spec("x" + format_keys(path), np.shape(leaf), spec, mesh)
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+
+    def one(leaf):
+        if traced:
+            if explicit:
+                out = jax.sharding.reshard(leaf, NamedSharding(mesh, spec))
+            else:
+                out = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+            return to_host(out) if memory == "pinned_host" else out
+        return put(leaf, NamedSharding(mesh, spec, memory_kind=memory))
+
+    return jax.tree_util.tree_map(one, x)

@@ -1,9 +1,13 @@
-"""Remat regions: `ox.checkpoint` for one module call and `ox.scan` over a stacked module.
+"""Remat regions and the names inside them: `ox.checkpoint`, `ox.scan`, `ox.name`.
 
 A region is a `jax.checkpoint` with the plan's remat policy that fetches the module's
 host-resident leaves to the device *inside* it. Inside is what matters: the fetched copy
 is then recomputed (fetched again) in the backward pass instead of being kept alive as a
 residual, so host-resident weights never occupy device memory for the whole step.
+
+A name given to a region's *output* (a block's result) is not a residual of that region:
+the next region saves its input whatever the policy. So the region that receives a named
+value renames it at its boundary, inside, where the policy applies to it.
 """
 
 from collections.abc import Callable
@@ -12,44 +16,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from ._activations import in_region
-from ._context import active_plan, argument_path, is_host_typed, to_device
-from ._plan import Plan, format_path
-from ._strategy import resolve_strategy
-
-
-def _plan_for(module: Any) -> Plan:
-    plan = active_plan()
-    if plan is None:
-        plan = Plan([("module", module)], resolve_strategy(None))
-    return plan
-
-
-def _region(module: Any, prevent_cse: bool) -> Callable[..., Any]:
-    plan = _plan_for(module)
-    has_host_leaves = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
-
-    def body(module, args, kwargs):
-        module = jax.tree_util.tree_map(to_device, module)
-        with in_region():
-            return module(*args, **kwargs)
-
-    if plan.saves_everything and not has_host_leaves:
-        # Nothing to recompute and nothing to fetch: a plain call, as without offload_eqx.
-        return body
-    return eqx.filter_checkpoint(body, policy=plan.policy, prevent_cse=prevent_cse)
-
-
-def checkpoint(module: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call `module(*args, **kwargs)` inside a remat region.
-
-    The region applies the plan's activation policy to every value named with `ox.name`
-    inside the call, and fetches the module's host-resident leaves to the device inside
-    the region (again in the backward pass), so their device copies are never residuals.
-    """
-    return _region(module, prevent_cse=True)(module, args, kwargs)
-
+from ._activations import check_name
+from ._memory_space import is_host_typed, to_device
+from ._plan import Plan
+from ._plan_walk import format_keys
+from ._trace_state import active_plan, argument_path, current, in_region, record_name
 
 _AXIS_MISMATCH = (
     "ox.scan: the leaves of the stacked module disagree on the length of the layer axis "
@@ -63,6 +36,145 @@ _HOST_AXIS = (
     "array before fetching it to the device, which is costly and unsupported on some "
     "platforms). Stack the layers along axis 0, or place `{path}` on the device."
 )
+_NOT_CALLABLE = (
+    "{caller} was given {value!r} (a {kind}) as the module, which is not callable. Pass "
+    "the module (or function) first and its inputs after it: `{caller}(block, x)`."
+)
+
+
+def name(x: Any, name: str) -> Any:
+    """Name an activation so that the plan's policy can save, offload or recompute it.
+
+    A thin layer over `jax.ad_checkpoint.checkpoint_name` that also records, while
+    `ox.filter_jit` traces, that the name was produced and whether inside a region: a
+    declared name that the program never produces is an error, not a silent no-op.
+    """
+    check_name(name, where="ox.name(x, name)")
+    record_name(name)
+    out = checkpoint_name(x, name)
+    state = current()
+    if state is not None and state.depth > 0:
+        for leaf in jax.tree_util.tree_leaves(out):
+            state.named_outputs[id(leaf)] = (name, leaf)
+    return out
+
+
+def _plan_for(module: Any) -> Plan:
+    plan = active_plan()
+    return Plan([("module", module)]) if plan is None else plan
+
+
+def _names_of(tree: Any) -> list[str | None]:
+    """For each leaf of `tree`, the name `ox.name` gave it in this trace, if any."""
+    state = current()
+    if state is None:
+        return [None] * len(jax.tree_util.tree_leaves(tree))
+    named = state.named_outputs
+    return [
+        named[id(x)][0] if id(x) in named and named[id(x)][1] is x else None
+        for x in jax.tree_util.tree_leaves(tree)
+    ]
+
+
+def _rename(tree: Any, names: list[str | None]) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    renamed = [x if n is None else name(x, n) for x, n in zip(leaves, names)]
+    return jax.tree_util.tree_unflatten(treedef, renamed)
+
+
+def _region(plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: list) -> Callable:
+    """A function `(module, args, kwargs, in_names) -> output` that runs in a region."""
+
+    def body(module, args, kwargs, in_names):
+        module = jax.tree_util.tree_map(to_device, module)
+        with in_region():
+            args = _rename(args, in_names)
+            out = module(*args, **kwargs)
+            out_names[:] = _names_of(out)
+            return out
+
+    if plan.saves_everything and not has_host_leaves:
+        # Nothing to recompute and nothing to fetch: a plain call, as without offload_eqx.
+        return body
+    checkpointed = eqx.filter_checkpoint(body, policy=plan.policy, prevent_cse=prevent_cse)
+    return lambda module, args, kwargs, in_names: checkpointed(module, args, kwargs, in_names)
+
+
+def _closure_converted(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """A plain function (`jax.vmap(block)`, a lambda) hides the arrays it closes over;
+    inside a trace, hoist them into a module the region can see (and fetch)."""
+    if current() is None or isinstance(fn, eqx.Module):
+        return fn, args
+    if any(eqx.is_array(x) for x in jax.tree_util.tree_leaves(fn)):
+        return fn, args
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+
+    def call(dynamic):
+        call_args, call_kwargs = eqx.combine(dynamic, static)
+        return fn(*call_args, **call_kwargs)
+
+    converted, consts = jax.closure_convert(call, dynamic)
+    if not consts:
+        return fn, args
+    return _Closure(converted, list(consts), static), (dynamic,)
+
+
+class _Closure(eqx.Module):
+    converted: Callable = eqx.field(static=True)
+    consts: list
+    static: Any = eqx.field(static=True)
+
+    def __call__(self, dynamic):
+        return self.converted(dynamic, *self.consts)
+
+
+def _note_outputs(out: Any, names: list[str | None]) -> None:
+    """Remember which outputs of a region carry a name, for the region that takes them."""
+    state = current()
+    if state is None:
+        return
+    for leaf, n in zip(jax.tree_util.tree_leaves(out), names):
+        if n is not None:
+            state.named_outputs[id(leaf)] = (n, leaf)
+
+
+def checkpoint(module: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `module(*args, **kwargs)` inside a remat region.
+
+    The region applies the plan's activation policy to every value named with `ox.name`
+    inside the call, and fetches the module's host-resident leaves to the device inside
+    the region (again in the backward pass), so their device copies are never residuals.
+    `module` is usually an `eqx.Module`; a function that closes over arrays
+    (`jax.vmap(block)`) works too inside `ox.filter_jit`: its arrays are hoisted.
+    """
+    if not callable(module):
+        raise TypeError(
+            _NOT_CALLABLE.format(caller="ox.checkpoint", value=module, kind=type(module).__name__)
+        )
+    in_kwargs = kwargs
+    module, args = _closure_converted(module, args, kwargs)
+    if isinstance(module, _Closure):
+        in_kwargs = {}
+    in_names = _names_of(args)
+    has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
+    out_names: list = []
+    region = _region(_plan_for(module), has_host, True, out_names)
+    out = region(module, args, in_kwargs, in_names)
+    _note_outputs(out, out_names)
+    return out
+
+
+def _layer_lengths(with_paths: list, axis: int) -> dict[int, list[str]]:
+    lengths: dict[int, list[str]] = {}
+    for path, leaf in with_paths:
+        where = argument_path(leaf) or "stacked" + format_keys(path)
+        if axis != 0 and is_host_typed(leaf):
+            raise ValueError(_HOST_AXIS.format(axis=axis, path=where))
+        if jnp.ndim(leaf) <= axis:
+            lengths.setdefault(-1, []).append(f"`{where}` (shape {tuple(jnp.shape(leaf))})")
+        else:
+            lengths.setdefault(jnp.shape(leaf)[axis], []).append(f"`{where}`")
+    return lengths
 
 
 def scan(
@@ -84,8 +196,18 @@ def scan(
     - `axis`: the layer axis of the leaves (0 by default; host-resident leaves must use 0).
     - `unroll`: passed to `jax.lax.scan`.
 
-    Each layer runs in its own remat region (see `ox.checkpoint`).
+    Each layer runs in its own remat region (see `ox.checkpoint`). A name a layer gives
+    its output applies at the next layer's boundary, where the carry is saved.
     """
+    if not callable(stacked):
+        raise TypeError(
+            _NOT_CALLABLE.format(caller="ox.scan", value=stacked, kind=type(stacked).__name__)
+        )
+    if not isinstance(axis, int) or isinstance(axis, bool) or axis < 0:
+        raise TypeError(
+            f"ox.scan(..., axis={axis!r}): the layer axis is a non-negative int (0 for "
+            "leaves stacked along their first dimension)."
+        )
     dynamic, static = eqx.partition(stacked, eqx.is_array)
     with_paths = jax.tree_util.tree_flatten_with_path(dynamic)[0]
     if not with_paths:
@@ -93,16 +215,8 @@ def scan(
             "ox.scan: the stacked module has no array leaves, so there is no layer axis "
             "to scan over. Pass a module whose leaves are stacked along axis 0."
         )
-    lengths: dict[int, list[str]] = {}
-    for path, leaf in with_paths:
-        name = argument_path(leaf) or format_path("stacked", path)
-        if axis != 0 and is_host_typed(leaf):
-            raise ValueError(_HOST_AXIS.format(axis=axis, path=name))
-        if jnp.ndim(leaf) <= axis:
-            lengths.setdefault(-1, []).append(f"`{name}` (shape {tuple(jnp.shape(leaf))})")
-        else:
-            lengths.setdefault(jnp.shape(leaf)[axis], []).append(f"`{name}`")
-    if len(lengths) > 1:
+    lengths = _layer_lengths(with_paths, axis)
+    if len(lengths) > 1 or -1 in lengths:
         described = "; ".join(
             ("no such axis: " if n == -1 else f"length {n}: ") + ", ".join(paths)
             for n, paths in sorted(lengths.items())
@@ -110,10 +224,39 @@ def scan(
         raise ValueError(_AXIS_MISMATCH.format(axis=axis, lengths=described))
     if axis != 0:
         dynamic = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, axis, 0), dynamic)
+    plan = _plan_for(stacked)
+    has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(dynamic))
+    out_names: list = []
+    carry_names = _carry_names(dynamic, static, carry, args, kwargs, plan)
 
     def step(carry, layer_dynamic):
         layer = eqx.combine(layer_dynamic, static)
-        return _region(layer, prevent_cse=False)(layer, (carry, *args), kwargs), None
+        region = _region(plan, has_host, False, out_names)
+        return region(layer, (carry, *args), kwargs, carry_names), None
 
     carry, _ = jax.lax.scan(step, carry, dynamic, unroll=unroll)
+    _note_outputs(carry, out_names)
     return carry
+
+
+def _carry_names(dynamic, static, carry, args, kwargs, plan: Plan) -> list:
+    """The names the layers give their output carry (found by tracing one layer's
+    shapes), so that each layer renames its input carry and the policy applies to it;
+    the first layer takes the name of the incoming value, if it has one."""
+    incoming = _names_of((carry, *args))
+    n_carry = len(jax.tree_util.tree_leaves(carry))
+    if current() is None or not plan.activations:
+        return incoming
+    out_names: list = []
+
+    def one_layer(layer_dynamic, carry):
+        layer = jax.tree_util.tree_map(to_device, eqx.combine(layer_dynamic, static))
+        with in_region():
+            out = layer(carry, *args, **kwargs)
+        out_names[:] = _names_of(out)
+        return out
+
+    first = jax.tree_util.tree_map(lambda x: x[0], dynamic)
+    jax.eval_shape(one_layer, first, carry)
+    names = [n if n is not None else m for n, m in zip(out_names, incoming)]
+    return names + incoming[n_carry:]

@@ -1,45 +1,9 @@
-"""The plan in force while `ox.filter_jit` traces, read by regions and the optimizer."""
+"""Memory spaces of arrays and tracers: which is host-typed, and explicit moves between them."""
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
-
-from ._plan import Plan
-
-_ACTIVE_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
-    "offload_eqx_plan", default=None
-)
-
-
-# While tracing: the traced argument leaves by identity, to their plan paths, so that
-# errors raised deep inside (a region, a scan) name `model.layers.w1`, not `stacked.w1`.
-_LEAF_PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar(
-    "offload_eqx_leaf_paths", default={}
-)
-
-
-def active_plan() -> Plan | None:
-    return _ACTIVE_PLAN.get()
-
-
-def argument_path(leaf: Any) -> str | None:
-    """The plan path of a traced argument leaf of the `ox.filter_jit` being traced."""
-    return _LEAF_PATHS.get().get(id(leaf))
-
-
-@contextlib.contextmanager
-def using_plan(plan: Plan, traced_leaves: Any = ()) -> Iterator[None]:
-    token = _ACTIVE_PLAN.set(plan)
-    paths = _LEAF_PATHS.set({id(x): leaf.path for x, leaf in zip(traced_leaves, plan.leaves)})
-    try:
-        yield
-    finally:
-        _LEAF_PATHS.reset(paths)
-        _ACTIVE_PLAN.reset(token)
 
 
 def is_host_typed(x: Any) -> bool:
@@ -54,6 +18,11 @@ def is_host_typed(x: Any) -> bool:
         return jax.typeof(x).memory_space == jax.memory.Space.Host
     except (AttributeError, TypeError):
         return False
+
+
+def is_host_aval(aval: Any) -> bool:
+    """Whether an abstract value (`jax.core.ShapedArray`) is typed as host memory."""
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def to_device(x: Any) -> Any:

@@ -1,0 +1,115 @@
+"""Reading annotations off pytrees: each array leaf's declared placement, each declared name.
+
+The walk follows pytrees by key path and reads the placement metadata of `eqx.Module`
+fields (`ox.field`, `ox.annotate`) and the activation declarations (`ox.activations`,
+`ox.annotate(..., activations=...)`). A declaration applies to every array under its
+field; an inner declaration wins over an outer one. The plan (`_plan`) turns what the
+walk finds into placements under a strategy and a mesh.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._activations import Activations, Policy
+from ._placement import Placement, field_placement
+
+# Set by `ox.annotate` on the subclasses it makes: their activation declarations.
+ANNOTATION_ATTRIBUTE = "__offload_eqx_activations__"
+
+# The array types the plan places: the leaves `ox.filter_jit` traces.
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+_NON_ARRAY_FIELD = (
+    "Field `{path}` is declared with `ox.field(memory={memory!r})` but holds {value!r} (a "
+    "{kind}), not an array: only arrays have a memory. Declare it with `eqx.field(...)` "
+    "(or `eqx.field(static=True)` for a hyperparameter), or store arrays in it "
+    "(`jnp.asarray(...)`)."
+)
+
+# Marks a subtree whose module field declarations are ignored: a copy of the model kept
+# by an optax state (Adam's mu and nu) outside `ox.offload_optimizer` is not the model.
+_MIRROR = Placement(memory="device", role="param")
+
+
+def is_array_leaf(x: Any) -> bool:
+    """An array the plan places: a `jax.Array` (tracers included), a NumPy array or
+    scalar (uploaded once, explicitly), or a `jax.ShapeDtypeStruct`."""
+    return isinstance(x, ARRAY_TYPES)
+
+
+def format_keys(keys: Any) -> str:
+    """`.layers[0].weight` for a key path (a tuple of JAX keys)."""
+    return jax.tree_util.keystr(tuple(keys), simple=False, separator="")
+
+
+def _leaves_of(value: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(value)
+
+
+def _children(node: Any) -> list[tuple[tuple, Any]]:
+    """One level of a pytree node's children, with their keys."""
+    children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    return children
+
+
+@dataclasses.dataclass
+class Annotations:
+    """What the walk found: a placement per array-leaf path (None: not managed), and the
+    declared activation names with their policy and the module that declared them."""
+
+    placements: dict[str, Placement | None] = dataclasses.field(default_factory=dict)
+    names: list[tuple[str, Policy, str]] = dataclasses.field(default_factory=list)
+
+
+def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) -> None:
+    """Record the placement of every array leaf under `node` (whose path is `path`)."""
+    if is_array_leaf(node) or node is None:
+        found.placements[path] = None if inherited is _MIRROR else inherited
+        return
+    if isinstance(node, eqx.Module):
+        extra = getattr(type(node), ANNOTATION_ATTRIBUTE, None)
+        if extra is not None:
+            found.names.extend((name, policy, path) for name, policy in extra.items())
+        for f in dataclasses.fields(node):
+            try:
+                value = getattr(node, f.name)
+            except AttributeError:
+                continue
+            if f.metadata.get("static", False):
+                if isinstance(value, Activations):
+                    found.names.extend((name, policy, path) for name, policy in value.items())
+                continue
+            declared = field_placement(f)
+            if inherited is not None and (inherited.role == "optimizer" or inherited is _MIRROR):
+                # Optimizer state mirrors the model: the model's field declarations do not
+                # apply inside it.
+                declared = None
+            if declared is not None:
+                _check_holds_arrays(f"{path}.{f.name}", value, declared)
+            walk(value, f"{path}.{f.name}", declared or inherited, found)
+        return
+    if isinstance(node, tuple) and hasattr(node, "_fields") and inherited is None:
+        # A NamedTuple outside `ox.offload_optimizer` is an optax state (or the like): its
+        # copies of the model are not the model, so they stay wherever they are.
+        inherited = _MIRROR
+    for key, child in _children(node):
+        if child is node:  # a leaf that is not an array (a function, a string, ...)
+            return
+        walk(child, path + format_keys(key), inherited, found)
+
+
+def _check_holds_arrays(path: str, value: Any, declared: Placement) -> None:
+    """A field declared with a memory must hold arrays (or nothing) under it."""
+    leaves = _leaves_of(value)
+    non_arrays = [x for x in leaves if not is_array_leaf(x)]
+    if non_arrays and not any(is_array_leaf(x) for x in leaves):
+        shown = value if len(repr(value)) <= 60 else non_arrays[0]
+        raise ValueError(
+            _NON_ARRAY_FIELD.format(
+                path=path, value=shown, kind=type(shown).__name__, memory=declared.memory
+            )
+        )

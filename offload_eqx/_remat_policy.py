@@ -1,0 +1,91 @@
+"""Activation names under a strategy: each name's effective policy and the one remat policy.
+
+A name's policy comes from the module that declares it, unless the strategy overrides
+every name (`save`, `remat`, `offload`). The remat policy that regions compile is built
+from the effective policies; the checks on what a trace produced live here too, so that
+`ox.filter_jit` and `ox.audit` apply the same rules.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from jax import checkpoint_policies
+
+from ._activations import Policy
+from ._strategy import Strategy
+
+_NEVER_PRODUCED = (
+    "Activation {name!r} is declared {policy!r} by `{module}`, but the program never "
+    "produces it (names produced: {produced}). JAX would silently ignore it. Fix the "
+    "spelling, call `ox.name(x, {name!r})` where the activation is computed, or remove "
+    "the declaration."
+)
+_OUTSIDE_REGIONS = (
+    "Activation {name!r} (declared {policy!r} by `{module}`) is only produced outside "
+    "`ox.scan`/`ox.checkpoint` regions, where no remat policy applies, so it would be "
+    "kept on the device whatever its policy. Call the module that names it through "
+    "`ox.scan(...)` or `ox.checkpoint(...)`."
+)
+
+
+def effective_policy(policy: Policy, strategy: Strategy) -> Policy:
+    mode = strategy.activations
+    return policy if mode == "annotated" else cast(Policy, mode)
+
+
+def _is_fetch(prim: Any, params: dict) -> bool:
+    if prim.name != "device_put":
+        return False
+    return any(str(d).endswith("Device") for d in params.get("devices", ()))
+
+
+def remat_policy(activations: Mapping[str, Policy], strategy: Strategy) -> Callable[..., Any]:
+    """The policy of every region: named values as their policy says; everything else
+    saved under a `save` strategy and recomputed otherwise; a fetched copy of a
+    host-resident leaf never saved (it is fetched again instead)."""
+    saved = [n for n, p in activations.items() if p == "save"]
+    offloaded = [n for n, p in activations.items() if p == "offload"]
+    named = checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    save_rest = strategy.activations == "save"
+
+    def policy(prim, *avals, **params):
+        if prim.name == "name":
+            return named(prim, *avals, **params)
+        if save_rest and not _is_fetch(prim, params):
+            return True
+        return named(prim, *avals, **params)
+
+    return policy
+
+
+def check_names(
+    declared: Mapping[str, tuple[Policy, str]],
+    effective: Mapping[str, Policy],
+    saves_everything: bool,
+    inside_regions: set[str],
+    outside_regions: set[str],
+    regions: int,
+) -> None:
+    """After a trace: every declared name must be produced, inside a region unless the
+    strategy keeps everything. A program that enters no region and produces no declared
+    name (an optimizer step, an init) does not run the model, and is not checked."""
+    produced = inside_regions | outside_regions
+    if regions == 0 and not produced & declared.keys():
+        return
+    for name, (policy, module) in declared.items():
+        if name in inside_regions:
+            continue
+        if name in outside_regions:
+            if effective[name] == "save" and saves_everything:
+                continue
+            raise ValueError(_OUTSIDE_REGIONS.format(name=name, policy=policy, module=module))
+        raise ValueError(
+            _NEVER_PRODUCED.format(
+                name=name, policy=policy, module=module, produced=sorted(produced) or "none"
+            )
+        )
