@@ -43,7 +43,7 @@ def _child() -> dict:
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import offload_eqx as ox
-    from offload_eqx._memory import compare_memory, memory_report
+    from offload_eqx import compare_memory, memory_report
 
     assert jax.device_count() == 8
     fsdp = P(None, "fsdp", None)
