@@ -1,121 +1,192 @@
-"""Optimizer state in host memory: `ox.offload_optimizer` and `ox.apply_updates`.
+"""Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply` and
+`ox.apply_updates`.
 
 The state of any optax `GradientTransformation` lives in pinned host memory between
-steps (its scalars, such as Adam's step count, stay on the device). Each update fetches
-the state, the gradients and the parameters that are host-typed to the device
-explicitly, runs the wrapped transformation there, and sends the new state back.
+steps (its scalars, such as Adam's step count, stay on the device), sharded like the
+parameter each leaf mirrors. `stream=None` fetches the whole state for the update;
+`stream="leaf"` and `stream="layer"` fetch one parameter (one layer slice) at a time
+(see `_optimizer_stream`).
 """
 
-from collections.abc import Callable
 from typing import Any, cast
 
-import equinox as eqx
 import jax
 import optax
 
-from ._context import is_host_typed, to_device, to_host
-from ._mesh import mirror_parameters, resolve_mesh
-from ._placement import Placement, check_memory
+from ._memory_space import is_host_typed, to_device, to_host
+from ._optimizer_state import (
+    NAME,
+    call_update,
+    check_matches,
+    check_ours,
+    host_mask,
+    init_in_place,
+    on_device,
+    restore_memory,
+    shapes,
+    state_type,
+    trainable,
+)
+from ._optimizer_stream import StreamedUpdate, stream_init
+from ._placement import check_memory
 
-_METADATA_HOST = {"offload_eqx": Placement(memory="pinned_host", role="optimizer")}
-_METADATA_DEVICE = {"offload_eqx": Placement(memory="device", role="optimizer")}
+STREAMS = (None, "leaf", "layer")
+
+_A_FACTORY = (
+    "{where} is {value!r}, a function that builds a transformation, not a transformation. "
+    "Call it with its hyperparameters: `ox.offload_optimizer(optax.adam(1e-3))`, not "
+    "`ox.offload_optimizer(optax.adam)`."
+)
+
+_NOT_A_TRANSFORMATION = (
+    "{where} is {value!r} (a {kind}); expected an `optax.GradientTransformation`, such as "
+    "`optax.adam(1e-3)` or `optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))`."
+)
 
 
-class OffloadedState(eqx.Module):
-    """The state of `ox.offload_optimizer`: the wrapped transformation's state, placed in
-    `pinned_host` (its scalars on the device) under the model's own annotations."""
-
-    inner: Any = eqx.field(metadata=_METADATA_HOST)
-
-
-class DeviceState(eqx.Module):
-    """Like `OffloadedState`, declared `"device"`: strategies may still offload it."""
-
-    inner: Any = eqx.field(metadata=_METADATA_DEVICE)
+def _check_transformation(value: object, *, where: str) -> None:
+    if isinstance(value, optax.GradientTransformation):
+        return
+    template = _A_FACTORY if callable(value) else _NOT_A_TRANSFORMATION
+    raise TypeError(template.format(where=where, value=value, kind=type(value).__name__))
 
 
-def init_in_place(init_on_device: Callable[[Any], Any], params: Any) -> Any:
-    """Initialise optimizer state straight into its planned memory.
-
-    One jit fetches the parameters, initialises on the device and writes the state into
-    its declared memory: no eager op touches a host array, and the state is never all on
-    the device at once. The in-program `to_host` matters: an array that only
-    `out_shardings` puts in host memory keeps a device type, and later traces would
-    treat it as device memory. On a mesh, each leaf is sharded like its parameter.
-    """
-    from ._place import planned_shardings  # late import: _place imports the plan
-
-    abstract = eqx.filter_eval_shape(init_on_device, params)
-    mesh = resolve_mesh([("params", params)])
-    shardings = planned_shardings(abstract, name="opt_state", mesh=mesh)
-    if mesh is not None:
-        shardings = mirror_parameters(shardings, abstract, params, mesh)
-
-    def init_placed(params):
-        return jax.tree_util.tree_map(
-            lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
-            init_on_device(params),
-            shardings,
-            is_leaf=lambda x: x is None,
+def _check_options(tx, stream, global_transform, layers, memory, check) -> None:
+    """Every option, when the optimizer is built (not at `init`, not while tracing)."""
+    _check_transformation(tx, where=f"{NAME}'s `tx`")
+    if global_transform is not None:
+        _check_transformation(global_transform, where=f"{NAME}(global_transform=...)")
+    if stream not in STREAMS:
+        raise ValueError(
+            f"{NAME}(stream=...) is {stream!r}; expected one of None (fetch the whole state "
+            "for the update), 'leaf' (one parameter's state at a time) or 'layer' (one "
+            "layer slice of each stacked parameter at a time, with `layers=`)."
         )
+    if stream == "layer":
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(
+                f"{NAME}(stream='layer') needs `layers`, the number of layers of the "
+                f"stacked modules applied with `ox.scan` (a positive int); got {layers!r}. "
+                "Pass e.g. `layers=32`, or `stream='leaf'` to update stacked leaves whole."
+            )
+    elif layers is not None:
+        raise ValueError(
+            f"{NAME}(layers={layers!r}) is only used with `stream='layer'` (got "
+            f"`stream={stream!r}`). Pass `stream='layer'` to stream stacked leaves one layer "
+            "at a time, or drop `layers`."
+        )
+    check_memory(memory, where=f"{NAME}(memory=...)")
+    if not isinstance(check, bool):
+        raise TypeError(f"{NAME}(check=...) is {check!r}; expected True or False.")
 
-    return jax.jit(init_placed, out_shardings=shardings)(params)
+
+def _whole_state(inner: optax.GradientTransformation, memory: str) -> tuple[Any, Any]:
+    """`init` and `update` of `stream=None`: the whole state is fetched for the update."""
+    wrapper = state_type(memory)
+
+    def init_fn(params):
+        def init_on_device(params):
+            return wrapper(inner.init(on_device(params)))
+
+        return init_in_place(init_on_device, trainable(params), memory)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        check_ours(state, streamed=False, name=NAME)
+        updates = trainable(updates)
+        check_matches(type(state)(jax.eval_shape(inner.init, shapes(updates))), state, name=NAME)
+        mask = host_mask(state.inner)
+        # Fetched in this order (state, gradients, parameters): the audit lists transfers
+        # in program order, and the README's table shows it.
+        inner_state = on_device(state.inner)
+        updates = on_device(updates)
+        if params is not None:
+            params = on_device(trainable(params))
+        new_updates, new_inner = call_update(inner, updates, inner_state, params, extra_args)
+        return new_updates, type(state)(restore_memory(mask, new_inner))
+
+    return init_fn, update_fn
 
 
-def _on_device(tree: Any) -> Any:
-    return jax.tree_util.tree_map(to_device, tree)
-
-
+# Hints are loose on purpose: the options are validated below with sentences that say
+# what to write, and a runtime type checker (beartype in the tests) would answer first.
 def offload_optimizer(
-    inner: optax.GradientTransformation, *, memory: str = "pinned_host"
+    tx: Any,
+    *,
+    stream: str | None = None,
+    global_transform: Any = None,
+    layers: int | None = None,
+    memory: str = "pinned_host",
+    check: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state lives in `memory` between steps.
 
     **Arguments:**
 
-    - `inner`: any `optax.GradientTransformation` (`chain`, `adamw`, `inject_hyperparams`,
-        `multi_transform`, ...).
+    - `tx`: an `optax.GradientTransformation` (`optax.adam(1e-3)`, `chain`, `adamw`,
+        `inject_hyperparams`, `multi_transform`, ...). With a stream it must treat each
+        parameter on its own (`adam`, `adamw`, `sgd`, `lion`, ...), which `init` checks.
+    - `stream`: how the update fetches the state.
+        - `None` (default): the whole state at once, for `optax.chain(global_transform,
+          tx)`; XLA schedules the copies (the whole state is on the device together).
+        - `"leaf"`: one parameter's state at a time, each in its own `jax.lax.cond`
+          gated on the previous one's update.
+        - `"layer"`: like `"leaf"`, and every parameter whose leading dimension is
+          `layers` (the stacked modules applied with `ox.scan`) one layer slice at a time,
+          in a `jax.lax.fori_loop`. `tx` must be elementwise (`init` checks).
+    - `global_transform`: a transformation applied first, to all gradients at once on the
+        device (`optax.clip_by_global_norm(1.0)`); its state is fetched whole.
+    - `layers`: with `stream="layer"` (and only then), the number of layers.
     - `memory`: where the state is declared to live: `"pinned_host"` (default) or
         `"device"`. Strategies passed to `ox.filter_jit`/`ox.place` override it.
+    - `check`: with a stream, trace `tx` at `init` and raise a `ValueError` if it couples
+        parameters (or, with `"layer"`, is not elementwise).
 
-    **Returns:** a `GradientTransformation` whose `init(params)` returns the state already
-    placed, and whose `update(grads, state, params)` computes on the device: host-typed
-    gradients (the gradients of host-resident parameters), state and parameters are
-    fetched explicitly, and the new state is sent back to host memory.
+    Only floating-point array leaves are optimized: integer, boolean and non-array leaves
+    get no state and a `None` update (`ox.apply_updates` leaves them unchanged).
+
+    **Returns:** an `optax.GradientTransformationExtraArgs` whose `init(params)` writes the
+    state into its memory, sharded like the parameters (scalars on the device), and whose
+    `update(grads, state, params)` computes on the device, fetching host-typed gradients,
+    state and parameters explicitly and sending the new state back. Its updates equal
+    those of `optax.chain(global_transform, tx)` (streams: to about 1 ulp per step). Use
+    `ox.update_and_apply(opt, grads, state, params)` to apply the updates inside the
+    streamed loop, so host-resident parameters are never fetched whole either.
     """
-    check_memory(memory, where="ox.offload_optimizer(memory=...)")
-    wrapper = OffloadedState if memory == "pinned_host" else DeviceState
-
-    def init_fn(params):
-        params = eqx.filter(params, eqx.is_array)
-
-        def init_on_device(params):
-            return wrapper(inner.init(_on_device(params)))
-
-        return init_in_place(init_on_device, params)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        if not isinstance(state, (OffloadedState, DeviceState)):
-            raise TypeError(
-                f"ox.offload_optimizer: the state is a {type(state).__name__}, not the "
-                "state returned by this optimizer's `init`. Pass the state that "
-                "`opt.init(params)` returned (and that the previous step returned)."
-            )
-        host_leaves = jax.tree_util.tree_map(is_host_typed, state.inner)
-        inner_state = _on_device(state.inner)
-        updates = _on_device(eqx.filter(updates, eqx.is_array))
-        if params is not None:
-            params = _on_device(eqx.filter(params, eqx.is_array))
-        if isinstance(inner, optax.GradientTransformationExtraArgs):
-            new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
-        else:
-            new_updates, new_inner = inner.update(updates, inner_state, params)
-        new_inner = jax.tree_util.tree_map(
-            lambda was_host, x: to_host(x) if was_host else x, host_leaves, new_inner
-        )
-        return new_updates, type(state)(new_inner)
-
+    _check_options(tx, stream, global_transform, layers, memory, check)
+    if stream is None:
+        inner = tx if global_transform is None else optax.chain(global_transform, tx)
+        init_fn, update_fn = _whole_state(inner, memory)
+    else:
+        init_fn = stream_init(tx, global_transform, layers, memory, check)
+        update_fn = StreamedUpdate(tx, global_transform, layers)
     return optax.GradientTransformationExtraArgs(init_fn, cast(Any, update_fn))
+
+
+def update_and_apply(
+    opt: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any]:
+    """`opt.update` then `ox.apply_updates`: returns `(new_params, new_opt_state)`.
+
+    Works for any optax transformation. When `opt` is a streamed `ox.offload_optimizer`
+    (`stream="leaf"` or `"layer"`), the updates are applied inside its per-leaf
+    (per-layer) loop, so host-resident parameters are fetched one leaf (layer) at a time
+    and never whole. Wrapped in another transformation (`optax.chain(opt, ...)`), it falls
+    back to `update` then `ox.apply_updates`, with the same result.
+    """
+    _check_transformation(opt, where="ox.update_and_apply's `opt`")
+    if isinstance(opt.update, StreamedUpdate):
+        return opt.update.update_and_apply(grads, opt_state, params, **extra_args)
+    if isinstance(opt, optax.GradientTransformationExtraArgs):
+        updates, opt_state = opt.update(grads, opt_state, params, **extra_args)
+    elif extra_args:
+        raise TypeError(
+            f"ox.update_and_apply: {sorted(extra_args)} were given, but `opt` is an "
+            "`optax.GradientTransformation` without extra arguments. Drop them, or wrap "
+            "`opt` with `optax.with_extra_args_support(opt)`."
+        )
+    else:
+        updates, opt_state = opt.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
 
 
 def apply_updates(model: Any, updates: Any) -> Any:

@@ -21,6 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _multiprocess_worker import (
     BATCH,
@@ -30,6 +31,7 @@ from _multiprocess_worker import (
     HIDDEN,
     WIDTH,
     gather,
+    loss_fn,
     make_model,
     make_optimizer,
     make_step,
@@ -253,6 +255,55 @@ def test_audit_on_a_mesh():
     audited = ox.filter_jit(audited.fn, audit=True)  # the guard, with arguments on a mesh
     model, opt_state, loss, _ = audited(model, opt_state, x)
     assert model.layers.w1.sharding.spec == FSDP and np.isfinite(float(loss))
+
+
+@functools.cache
+def _streamed_run(stream: str | None, axis_type: str) -> dict:
+    """Two Adam steps through `ox.update_and_apply` on the 2x4 mesh with `stream`."""
+    mesh = _mesh(axis_type)
+    model = ox.place(make_model(jax.random.key(0)), mesh=mesh)
+    layers = DEPTH if stream == "layer" else None
+    opt = ox.offload_optimizer(optax.adam(1e-2), stream=stream, layers=layers)
+    opt_state = opt.init(model)
+    placed = jax.tree_util.tree_map(lambda x: x.sharding, opt_state)
+    x = shard(jnp.asarray(np.ones((BATCH, WIDTH), np.float32)), DATA, mesh)
+
+    @ox.filter_jit(donate="all")
+    def step(model, opt_state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    for _ in range(2):
+        model, opt_state = step(model, opt_state, x)
+    return dict(mesh=mesh, placed=placed, model=model, opt_state=opt_state)
+
+
+@on_eight_devices
+@pytest.mark.parametrize(
+    "stream, axis_type", [("leaf", "auto"), ("layer", "auto"), ("layer", "explicit")]
+)
+def test_streamed_optimizer_state_is_sharded_like_its_parameter(stream, axis_type):
+    """Issue 9, bug 3: the streamed state came out replicated, P(), while the parameters
+    are sharded P(None, "fsdp", None): 4x the host memory."""
+    run = _streamed_run(stream, axis_type)
+    mesh = run["mesh"]
+    checked = 0
+    for when in ("placed", "opt_state"):  # after `init`, and after two steps
+        tree = run[when]
+        if when == "opt_state":
+            tree = jax.tree_util.tree_map(lambda x: x.sharding, tree)
+        for path, sharding in jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        ):
+            name = jax.tree_util.keystr(path)
+            if ".layers.w1[" in name and name.endswith((".mu", ".nu")):
+                assert sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host"), name
+                checked += 1
+            elif name.endswith(".count"):
+                assert sharding.memory_kind == "device" and sharding.spec == P(), name
+    assert checked == 4
+    reference = _streamed_run(None, "auto")
+    _assert_close(gather(run["model"]), gather(reference["model"]), "model")
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""`ox.offload_optimizer` with the optax transformations users reach for."""
+"""`ox.offload_optimizer` (whole-state fetch) with the optax transformations users reach
+for; the options it validates when wrapping; the errors on state it did not make;
+`ox.update_and_apply` for any transformation."""
+
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -9,6 +13,7 @@ import pytest
 from helpers import loss_fn, scanned_model, to_numpy
 
 import offload_eqx as ox
+from offload_eqx._optimizer_state import DeviceState, OffloadedState
 
 
 def _labels(model):
@@ -68,7 +73,7 @@ def test_init_on_host_params_writes_state_straight_to_host():
     model = ox.place(scanned_model(jax.random.key(0)))
     opt = ox.offload_optimizer(optax.adam(1e-3))
     state = opt.init(model)
-    assert isinstance(state, ox.OffloadedState)
+    assert isinstance(state, OffloadedState)
     mu = state.inner[0].mu
     assert mu.layers.w1.sharding.memory_kind == "pinned_host"
     assert jax.typeof(mu.layers.w1).memory_space == jax.memory.Space.Host
@@ -78,7 +83,7 @@ def test_init_on_host_params_writes_state_straight_to_host():
 def test_device_declared_state():
     opt = ox.offload_optimizer(optax.adam(1e-3), memory="device")
     state = opt.init(scanned_model(jax.random.key(0)))  # pyright: ignore[reportArgumentType]
-    assert isinstance(state, ox.DeviceState)
+    assert isinstance(state, DeviceState)
     assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(state)} == {"device"}
 
 
@@ -99,3 +104,142 @@ def test_apply_updates_keeps_host_params_on_host_and_skips_none():
         np.asarray(new.layers.w1), np.asarray(model.layers.w1) + 1, rtol=1e-6
     )
     np.testing.assert_array_equal(np.asarray(new.layers.w2), np.asarray(model.layers.w2))
+
+
+# -- options, validated when wrapping ------------------------------------------------------
+
+
+def test_a_factory_instead_of_a_transformation_is_refused_when_wrapping():
+    with pytest.raises(TypeError, match=r"`tx` is <function adam.*Call it.*optax\.adam\(1e-3\)"):
+        ox.offload_optimizer(optax.adam)
+    with pytest.raises(TypeError, match=r"global_transform=\.\.\.\) is <function.*Call it"):
+        ox.offload_optimizer(optax.adam(1e-3), global_transform=optax.clip_by_global_norm)
+    with pytest.raises(TypeError, match=r"is 'adam' \(a str\); expected an `optax\.Gradient"):
+        ox.offload_optimizer("adam")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"stream": "layers"},
+            r"stream=\.\.\.\) is 'layers'; expected one of None.*'leaf'.*'layer'",
+        ),
+        ({"stream": "layer"}, r"needs `layers`.*positive int\); got None"),
+        ({"stream": "layer", "layers": 0}, r"positive int\); got 0"),
+        ({"stream": "layer", "layers": True}, r"positive int\); got True"),
+        ({"stream": "leaf", "layers": 4}, r"layers=4\) is only used with `stream='layer'`"),
+        ({"layers": 4}, r"layers=4\) is only used with `stream='layer'`.*stream=None"),
+        ({"memory": "gpu"}, r"memory=\.\.\.\) has memory 'gpu'; expected one of 'device'"),
+    ],
+)
+def test_options_are_validated_when_wrapping(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ox.offload_optimizer(optax.adam(1e-3), **kwargs)
+
+
+# -- state it did not make, and leaves it does not optimize --------------------------------
+
+
+class WithCounter(eqx.Module):
+    w: jax.Array
+    steps: jax.Array  # an int leaf: not optimized, left unchanged
+
+
+@pytest.mark.parametrize("stream", [None, "leaf"])
+def test_integer_leaves_get_no_state_and_stay_unchanged(stream):
+    model: Any = WithCounter(jnp.ones((3, 3)), jnp.arange(3))
+    opt = ox.offload_optimizer(optax.adam(0.1), stream=stream)
+    state = opt.init(model)
+    assert all(
+        leaf.dtype != jnp.int32 or leaf.ndim == 0 for leaf in jax.tree_util.tree_leaves(state)
+    )
+
+    @ox.filter_jit
+    def step(model, state):
+        grads = eqx.filter_grad(lambda m: jnp.sum(m.w**2))(model)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    new, state = step(model, state)
+    np.testing.assert_array_equal(np.asarray(new.steps), np.arange(3))
+    np.testing.assert_allclose(np.asarray(new.w), 0.9, rtol=1e-6)  # Adam's first step: lr
+
+
+@pytest.mark.parametrize("stream", [None, "leaf"])
+def test_state_of_another_model_names_the_leaf(stream):
+    opt = ox.offload_optimizer(optax.adam(0.1), stream=stream)
+    state = opt.init(cast(Any, scanned_model(jax.random.key(0), width=8)))
+    model: Any = scanned_model(jax.random.key(0), width=16)
+    grads = eqx.filter_grad(loss_fn)(model, jnp.ones((2, 16)))
+    with pytest.raises(
+        ValueError,
+        match=r"does not belong to these gradients: `state\.inner.*layers\.w1.*` has shape "
+        r"\(3, 8, 32\), but the gradients give it shape \(3, 16, 32\).*opt\.init\(model\)",
+    ):
+        opt.update(grads, state, model)
+
+
+def test_state_of_a_different_structure_names_the_leaf():
+    opt = ox.offload_optimizer(optax.adam(0.1))
+    state = opt.init({"a": jnp.ones(2), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"the state has a leaf `state\.inner.*\['b'\]`"):
+        opt.update({"a": jnp.ones(2)}, state)
+
+
+@pytest.mark.parametrize("stream", [None, "leaf"])
+def test_state_that_is_not_ours_is_refused(stream):
+    opt = ox.offload_optimizer(optax.adam(0.1), stream=stream)
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(
+        TypeError, match=r"is a optax.*ScaleByAdamState.*not the state of the optax"
+    ):
+        opt.update(params, cast(Any, optax.adam(0.1).init(params))[0], params)
+    other = ox.offload_optimizer(optax.adam(0.1), stream="leaf" if stream is None else None)
+    with pytest.raises(TypeError, match=r"their states differ"):
+        opt.update(params, other.init(params), params)
+
+
+# -- ox.update_and_apply: any transformation ----------------------------------------------
+
+
+def _adamw():
+    return optax.adamw(1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    "make, strategy",
+    [
+        # Plain optax cannot take host-typed gradients: its model stays on the device.
+        (_adamw, "baseline"),
+        (lambda: ox.offload_optimizer(_adamw()), "annotated"),
+        (lambda: optax.chain(ox.offload_optimizer(_adamw())), "annotated"),
+        (lambda: optax.chain(ox.offload_optimizer(_adamw(), stream="leaf")), "annotated"),
+        (lambda: ox.offload_optimizer(_adamw(), stream="leaf"), "annotated"),
+        (lambda: ox.offload_optimizer(_adamw(), stream="layer", layers=3), "annotated"),
+    ],
+    ids=["plain_optax", "ours", "chain_of_ours", "chain_of_streamed", "leaf", "layer"],
+)
+def test_update_and_apply_works_for_any_transformation(make, strategy):
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    reference = _reference(scanned_model(jax.random.key(0)), _adamw(), x, steps=2)
+    opt = make()
+    model = ox.place(scanned_model(jax.random.key(0)), strategy)
+    state = opt.init(model)
+
+    @ox.filter_jit(strategy=strategy, donate="all")
+    def step(model, state, x):
+        return ox.update_and_apply(opt, eqx.filter_grad(loss_fn)(model, x), state, model)
+
+    for _ in range(2):
+        model, state = step(model, state, x)
+    expected = "device" if strategy == "baseline" else "pinned_host"
+    assert model.layers.w1.sharding.memory_kind == expected
+    for a, b in zip(
+        jax.tree_util.tree_leaves(to_numpy(model)), jax.tree_util.tree_leaves(to_numpy(reference))
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_update_and_apply_refuses_a_factory():
+    with pytest.raises(TypeError, match=r"update_and_apply's `opt` is <function adam.*Call it"):
+        ox.update_and_apply(optax.adam, {}, (), {})  # pyright: ignore[reportArgumentType]

@@ -1,4 +1,5 @@
-"""`sequential_offload_optimizer`: the same training as plain optax, one state on the device."""
+"""`ox.offload_optimizer(stream="leaf" | "layer")`: the same training as plain optax, one
+parameter's (one layer's) state on the device at a time."""
 
 import os
 from typing import Any, cast
@@ -11,12 +12,8 @@ import optax
 import pytest
 
 import offload_eqx as ox
-from offload_eqx._sequential import (
-    SequentialState,
-    check_elementwise,
-    check_per_leaf,
-    sequential_offload_optimizer,
-)
+from offload_eqx._optimizer_checks import check_elementwise, check_per_leaf
+from offload_eqx._optimizer_state import OffloadedState, StreamState
 
 
 class MLP(eqx.Module):
@@ -67,9 +64,9 @@ def test_matches_plain_optax(per_leaf, global_transform, strategy):
         per_leaf if global_transform is None else optax.chain(global_transform, per_leaf)
     )
     reference, reference_state = _model(32), reference_opt.init(_model(32))
-    opt = sequential_offload_optimizer(per_leaf, global_transform=global_transform)
+    opt = ox.offload_optimizer(per_leaf, stream="leaf", global_transform=global_transform)
     model = ox.place(_model(32), strategy)
-    state = cast(ox.OffloadedState, opt.init(model))
+    state = cast(OffloadedState, opt.init(model))
     step = ox.filter_jit(_make_step(opt), strategy=strategy, donate="all")
     reference_step = jax.jit(_make_step(reference_opt))
     for _ in range(3):
@@ -80,7 +77,10 @@ def test_matches_plain_optax(per_leaf, global_transform, strategy):
     # Adam (lr 0.1) turns into absolute differences of about 2e-6 on weights of 0.1.
     for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    assert isinstance(state.inner, SequentialState) and len(state.inner.leaves) == 4
+    # The per-leaf states have the parameters' structure: a leaf's path names its parameter.
+    assert isinstance(state.inner, StreamState) and isinstance(state.inner.leaves, MLP)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    assert any(p.startswith(".inner.leaves.w3[") for p in paths), paths
     if strategy == "offload_optimizer":
         kinds = {
             leaf.sharding.memory_kind
@@ -91,8 +91,8 @@ def test_matches_plain_optax(per_leaf, global_transform, strategy):
 
 
 def test_one_cond_per_leaf_with_an_opaque_predicate():
-    opt = sequential_offload_optimizer(
-        optax.adam(0.1), global_transform=optax.clip_by_global_norm(1)
+    opt = ox.offload_optimizer(
+        optax.adam(0.1), stream="leaf", global_transform=optax.clip_by_global_norm(1)
     )
     model = _model(8)
     state = opt.init(model)
@@ -105,19 +105,23 @@ def test_one_cond_per_leaf_with_an_opaque_predicate():
 
 def test_coupling_transformation_is_rejected():
     coupled = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
-    with pytest.raises(ValueError, match="couples parameters.*global_transform="):
+    with pytest.raises(ValueError, match="couples parameters.*global_transform=.*stream=None"):
         check_per_leaf(coupled, _model(4))
     check_per_leaf(optax.adamw(0.1), _model(4))  # elementwise: accepted
 
 
 def test_coupling_is_reported_at_init():
-    opt = sequential_offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)))
+    opt = ox.offload_optimizer(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), stream="leaf"
+    )
     with pytest.raises(ValueError, match="couples parameters"):
         opt.init(_model(4))
+    # `check=False` skips the check (the caller vouches for the transformation).
+    ox.offload_optimizer(optax.adam(0.1), stream="leaf", check=False).init(_model(4))
 
 
 def test_foreign_state_is_an_error():
-    opt = sequential_offload_optimizer(optax.adam(0.1))
+    opt = ox.offload_optimizer(optax.adam(0.1), stream="leaf")
     model = _model(4)
     with pytest.raises(TypeError, match="not the state returned"):
         opt.update(model, optax.adam(0.1).init(model), model)
@@ -126,13 +130,13 @@ def test_foreign_state_is_an_error():
 @pytest.mark.deviceless
 def test_h100_total_reaches_the_published_number():
     """The tutorial's workload (DIM 7168, compile-only): published 2.87 GiB with the state
-    offloaded; the whole-state fetch of `ox.offload_optimizer` gives 3.83 GiB here."""
+    offloaded; the whole-state fetch (`stream=None`) gives 3.83 GiB here."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
     assert os.environ.get("JAX_PLATFORMS") == "cpu", "deviceless compiles need JAX_PLATFORMS=cpu"
     w = jax.ShapeDtypeStruct((7168, 7168), jnp.float32)
     model = cast(Any, MLP)(w, w, w, w)
-    opt = sequential_offload_optimizer(
-        optax.adam(0.1), global_transform=optax.clip_by_global_norm(1.0)
+    opt = ox.offload_optimizer(
+        optax.adam(0.1), stream="leaf", global_transform=optax.clip_by_global_norm(1.0)
     )
     state = eqx.filter_eval_shape(opt.init, model)
     step = ox.filter_jit(_make_step(opt), strategy="offload_optimizer", donate="all")
@@ -181,12 +185,12 @@ def test_streamed_layers_match_plain_optax(fused, strategy):
         return jnp.mean((model(x) - x) ** 2)
 
     reference_opt = optax.adamw(0.05, weight_decay=0.1)
-    opt = sequential_offload_optimizer(optax.adamw(0.05, weight_decay=0.1), layers=4)
+    opt = ox.offload_optimizer(optax.adamw(0.05, weight_decay=0.1), stream="layer", layers=4)
 
     def step(model, state):
         grads = jax.grad(loss)(model)
         if fused:
-            return opt.update_and_apply(grads, state, model)
+            return ox.update_and_apply(opt, grads, state, model)
         updates, state = opt.update(grads, state, model)
         return ox.apply_updates(model, updates), state
 
@@ -196,7 +200,7 @@ def test_streamed_layers_match_plain_optax(fused, strategy):
         return optax.apply_updates(model, updates), state
 
     model = ox.place(_stacked(), strategy)
-    state = opt.init(model)
+    state: Any = opt.init(model)
     reference, reference_state = _stacked(), reference_opt.init(_stacked())
     jitted = ox.filter_jit(step, strategy=strategy, donate="all")
     for _ in range(3):
@@ -205,21 +209,22 @@ def test_streamed_layers_match_plain_optax(fused, strategy):
     # About 1 ulp per step, not bitwise (as for whole leaves, see above).
     for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    counts = [leaf[0].count for leaf in state.inner.leaves]
+    leaves = state.inner.leaves
+    counts = [leaves.layers.w[0].count, leaves.layers.b[0].count, leaves.head[0].count]
     assert [int(c) for c in counts] == [3, 3, 3]
     if strategy is _HOST:
         assert model.layers.w.sharding.memory_kind == "pinned_host"
-        assert state.inner.leaves[0][0].mu.sharding.memory_kind == "pinned_host"
+        assert leaves.layers.w[0].mu.sharding.memory_kind == "pinned_host"
 
 
 def test_stacked_leaves_run_in_a_loop_over_layers():
-    opt = sequential_offload_optimizer(optax.adam(0.1), layers=4)
+    opt = ox.offload_optimizer(optax.adam(0.1), stream="layer", layers=4)
     model = _stacked()
     state = opt.init(model)
 
     def step(model, state):
         grads = jax.grad(lambda m: jnp.sum(m(jnp.ones((2, 16)))))(model)
-        return opt.update_and_apply(grads, state, model)
+        return ox.update_and_apply(opt, grads, state, model)
 
     jaxpr = jax.make_jaxpr(step)(model, state)
     names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
@@ -230,10 +235,36 @@ def test_stacked_leaves_run_in_a_loop_over_layers():
 
 
 def test_non_elementwise_transformation_cannot_stream():
-    with pytest.raises(ValueError, match="not elementwise.*layers=None"):
-        sequential_offload_optimizer(optax.lamb(0.1), layers=4).init(_stacked())
+    with pytest.raises(
+        ValueError, match=r"on `params\.layers\.w` is not elementwise.*stream='leaf'"
+    ):
+        ox.offload_optimizer(optax.lamb(0.1), stream="layer", layers=4).init(_stacked())
     with pytest.raises(ValueError, match="state leaf of shape"):
         check_elementwise(optax.adafactor(0.1), jnp.zeros((4, 16, 16)))
     check_elementwise(optax.adamw(0.1), jnp.zeros((4, 16, 16)))
     with pytest.raises(ValueError, match="positive int"):
-        sequential_offload_optimizer(optax.adam(0.1), layers=0)
+        ox.offload_optimizer(optax.adam(0.1), stream="layer", layers=0)
+
+
+def test_update_and_apply_takes_the_streamed_path():
+    opt = ox.offload_optimizer(optax.adam(0.1), stream="leaf")
+    model = _model(8)
+    state = opt.init(model)
+    x = jnp.ones((8, 8))
+
+    def fused(model, state):
+        return ox.update_and_apply(opt, jax.grad(loss_fn)(model, x), state, model)
+
+    # The new parameters are computed inside each leaf's `cond`: four conds, and no add
+    # of a parameter and its update outside them.
+    jaxpr = jax.make_jaxpr(fused)(model, state)
+    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert names.count("cond") == 4
+    new_model, new_state = jax.jit(fused)(model, state)
+    reference_model, reference_state = jax.jit(_make_step(opt))(model, state, x)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(new_model), jax.tree_util.tree_leaves(reference_model)
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"needs the parameters.*ox\.update_and_apply\(opt, grads"):
+        ox.update_and_apply(opt, jax.grad(loss_fn)(model, x), state, None)

@@ -1,0 +1,178 @@
+"""The state of `ox.offload_optimizer`: its types, where `init` writes it, and the checks
+that a state passed to `update` is this optimizer's state for these parameters."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+from ._memory_space import is_host_typed, to_device, to_host
+from ._placement import Placement
+from ._plan import state_shardings
+
+NAME = "ox.offload_optimizer"
+
+_METADATA_HOST = {"offload_eqx": Placement(memory="pinned_host", role="optimizer")}
+_METADATA_DEVICE = {"offload_eqx": Placement(memory="device", role="optimizer")}
+
+
+class OffloadedState(eqx.Module):
+    """The state of `ox.offload_optimizer`: the wrapped transformation's state, placed in
+    `pinned_host` (its scalars on the device) under the model's own annotations."""
+
+    inner: Any = eqx.field(metadata=_METADATA_HOST)
+
+
+class DeviceState(eqx.Module):
+    """Like `OffloadedState`, declared `"device"`: strategies may still offload it."""
+
+    inner: Any = eqx.field(metadata=_METADATA_DEVICE)
+
+
+class StreamState(eqx.Module):
+    """The inner state of a streamed `ox.offload_optimizer` (`stream="leaf"`/`"layer"`).
+
+    `global_state` is `global_transform`'s state (for all parameters); `leaves` has the
+    parameters' structure with one state of the per-leaf transformation in place of each
+    parameter, so that a state leaf's key path names its parameter
+    (`inner.leaves.layers.w1[0].mu`) and the plan shards it like that parameter.
+    """
+
+    global_state: Any
+    leaves: Any
+
+
+def state_type(memory: str) -> type[OffloadedState] | type[DeviceState]:
+    return OffloadedState if memory == "pinned_host" else DeviceState
+
+
+def trainable(tree: Any) -> Any:
+    """The leaves an optimizer updates: floating-point arrays. Integer, boolean and other
+    leaves become None (no state, no update), as with `eqx.filter(model,
+    eqx.is_inexact_array)` before `optax` in Equinox's own examples."""
+    return eqx.filter(tree, eqx.is_inexact_array)
+
+
+def shapes(tree: Any) -> Any:
+    """Shapes and dtypes only (no memory space, no sharding), to ask what `init` gives."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def on_device(tree: Any) -> Any:
+    return jax.tree_util.tree_map(to_device, tree)
+
+
+def host_mask(tree: Any) -> Any:
+    return jax.tree_util.tree_map(is_host_typed, tree)
+
+
+def restore_memory(mask: Any, tree: Any) -> Any:
+    """Send back to host memory the leaves of `tree` whose old values were host-typed."""
+    return jax.tree_util.tree_map(lambda was_host, x: to_host(x) if was_host else x, mask, tree)
+
+
+def call_update(
+    transform: optax.GradientTransformation, updates: Any, state: Any, params: Any, extra: dict
+) -> Any:
+    if isinstance(transform, optax.GradientTransformationExtraArgs):
+        return transform.update(updates, state, params, **extra)
+    return transform.update(updates, state, params)
+
+
+# -- where the state lives ----------------------------------------------------------------
+
+
+def init_in_place(init_on_device: Callable[[Any], Any], params: Any, memory: str) -> Any:
+    """Initialise optimizer state straight into its planned memory.
+
+    One jit fetches the parameters, initialises on the device and writes the state into
+    its memory: no eager op touches a host array, and the state is never all on the
+    device at once. The in-program `to_host` matters: an array that only `out_shardings`
+    puts in host memory keeps a device type, and later traces would treat it as device
+    memory. On a mesh, each leaf is sharded like the parameter it mirrors.
+    """
+    abstract = eqx.filter_eval_shape(init_on_device, params)
+    shardings = state_shardings(params, abstract, memory=memory)
+
+    def init_placed(params):
+        return jax.tree_util.tree_map(
+            lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
+            init_on_device(params),
+            shardings,
+            is_leaf=lambda x: x is None,
+        )
+
+    return jax.jit(init_placed, out_shardings=shardings)(params)
+
+
+# -- is this our state, for these parameters? ----------------------------------------------
+
+_NOT_OUR_STATE = (
+    "{name}: the optimizer state is {what}, not the state returned by this optimizer's "
+    "`init`. Pass the state that `opt.init(params)` returned (and that the previous step "
+    "returned){hint}."
+)
+
+_OTHER_PARAMETERS = (
+    "{name}: the optimizer state does not belong to these gradients: {detail}. It was "
+    "initialised for other parameters (another model, or the model before a change of "
+    "shape or structure). Initialise it for this model with `opt.init(model)`, or pass "
+    "the state of this model."
+)
+
+
+def check_ours(state: Any, *, streamed: bool, name: str) -> None:
+    """Raise a `TypeError` unless `state` is the state of an `ox.offload_optimizer` of
+    this kind (streamed or not)."""
+    if not isinstance(state, (OffloadedState, DeviceState)):
+        what = f"a {type(state).__module__}.{type(state).__qualname__}"
+        hint = (
+            ", not the state of the optax transformation inside it"
+            if isinstance(state, tuple)
+            else ""
+        )
+        raise TypeError(_NOT_OUR_STATE.format(name=name, what=what, hint=hint))
+    if streamed != isinstance(state.inner, StreamState):
+        made = "a streamed" if isinstance(state.inner, StreamState) else "a whole-state"
+        want = "a streamed (`stream='leaf'` or `'layer'`)" if streamed else "a whole-state"
+        raise TypeError(
+            _NOT_OUR_STATE.format(
+                name=name,
+                what=f"the state of {made} `ox.offload_optimizer`",
+                hint=f"; this optimizer is {want} one, and their states differ",
+            )
+        )
+
+
+def _paths(tree: Any) -> list[tuple[str, Any]]:
+    return [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def check_matches(expected: Any, state: Any, *, name: str) -> None:
+    """Raise a `ValueError` naming the first leaf at which `state` differs in structure or
+    shape from `expected` (the abstract state `init` gives for the gradients at hand)."""
+    want, got = _paths(expected), _paths(state)
+    want_paths, got_paths = [p for p, _ in want], [p for p, _ in got]
+    if want_paths != got_paths:
+        missing = [p for p in want_paths if p not in set(got_paths)]
+        extra = [p for p in got_paths if p not in set(want_paths)]
+        if extra:
+            detail = f"the state has a leaf `state{extra[0]}` that no gradient leaf accounts for"
+        elif missing:
+            detail = f"the state lacks `state{missing[0]}`, which these gradients need"
+        else:
+            detail = "the state's leaves are in another order than these gradients'"
+        raise ValueError(_OTHER_PARAMETERS.format(name=name, detail=detail))
+    for (path, wanted), (_, leaf) in zip(want, got):
+        if np.shape(wanted) != np.shape(leaf):
+            detail = (
+                f"`state{path}` has shape {tuple(np.shape(leaf))}, but the gradients give "
+                f"it shape {tuple(np.shape(wanted))}"
+            )
+            raise ValueError(_OTHER_PARAMETERS.format(name=name, detail=detail))
