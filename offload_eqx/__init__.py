@@ -31,7 +31,7 @@ from ._errors import (
 from ._guard import no_implicit_transfers as no_implicit_transfers
 from ._jaxpr_walk import host_compute as host_compute
 from ._jit import FilterJit as FilterJit, filter_jit as filter_jit
-from ._memory import (
+from ._memory_report import (
     MemoryComparison as MemoryComparison,
     MemoryReport as MemoryReport,
     compare_memory as compare_memory,
@@ -40,6 +40,7 @@ from ._memory import (
 from ._optimizer import (
     apply_updates as apply_updates,
     offload_optimizer as offload_optimizer,
+    update_and_apply as update_and_apply,
 )
 from ._place import place as place, shard as shard
 from ._placement import Placement as Placement, field as field

@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _jit
 from ._errors import (
     ContractError as ContractError,
     HostUseError,
@@ -45,7 +44,7 @@ from ._jaxpr_walk import (
     _Walker,
     host_compute as host_compute,
 )
-from ._jit_interface import arguments, is_filter_jit, output_arguments
+from ._jit import FilterJit, filter_jit
 from ._plan import Plan
 from ._table import format_bytes
 from ._transfer_report import Transfer as Transfer, TransferReport as TransferReport
@@ -53,16 +52,6 @@ from ._transfer_report import Transfer as Transfer, TransferReport as TransferRe
 # -- the entry point -------------------------------------------------------------------
 
 _ROLE_KIND: dict[str | None, str] = {"param": "parameter", "optimizer": "optimizer"}
-_HOST_USE = (
-    "{caller}({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
-    "that mixes memory spaces (`{error}`): either {it} is used outside any "
-    "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
-    "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
-    "gradient clipping or the optimizer. Call the module that uses {it} through "
-    "`ox.scan(...)`/`ox.checkpoint(...)`, wrap the optimizer with "
-    "`ox.offload_optimizer(...)` (which fetches gradients explicitly), or place {it} on "
-    "the device (`ox.field(memory='device')`)."
-)
 _WRONG_MEMORY = (
     "Output `{out}` is returned in {got!r} memory, but it is the new value of `{path}`, "
     "which the plan puts in {want!r}: every next call would move it back (implicitly, "
@@ -95,18 +84,17 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
     output returned in another memory than its argument's plan, an argument on another
     device. The report is attached as `error.report` when the program could be traced.
     """
-    wrapper = fn if is_filter_jit(fn) else _jit.filter_jit(fn)
+    wrapper = fn if isinstance(fn, FilterJit) else filter_jit(fn)
     name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
     # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
     # raises `HostUseError` naming it, which is the audit's answer too.
     entry, leaves = wrapper.compilation(*args, **kwargs)
-    labelled = arguments(wrapper, args, kwargs)
-    roots = getattr(entry.plan, "roots", None) or [root for root, _ in labelled]
+    labelled = wrapper.arguments(*args, **kwargs)
     plan: Plan = entry.plan
     closed = jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
     jaxpr = _dce(closed.jaxpr)
 
-    matched = output_arguments(entry, roots)
+    matched = entry.output_arguments
     out_paths = entry.output_paths()
     outputs: dict[Any, tuple[str, str]] = {}
     for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
@@ -231,74 +219,3 @@ def _check_devices(labelled: list[tuple[str, Any]], walker: _Walker) -> None:
 # -- TRANSITION: moving to the tracing layer -------------------------------------------
 # The previous `ox.filter_jit` imports this on its error path; the rewritten one raises
 # `HostUseError` itself. Delete from here once `_jit` no longer imports it.
-
-_HOST_USE = (
-    "{caller}({name}): {paths} {are} host-resident (pinned_host) and reached an operation "
-    "that mixes memory spaces (`{error}`): either {it} is used outside any "
-    "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
-    "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
-    "gradient clipping or the optimizer. Call the module that uses {it} through "
-    "`ox.scan(...)`/`ox.checkpoint(...)`, wrap the optimizer with "
-    "`ox.offload_optimizer(...)` (which fetches gradients explicitly), or place {it} on "
-    "the device (`ox.field(memory='device')`)."
-)
-
-
-def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
-def _as_device(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding.with_memory_kind("device"))
-
-
-def _mixes_memory(error: BaseException) -> bool:
-    text = str(error)
-    return "memory_space of all inputs" in text or "host-resident array was used outside" in text
-
-
-def _locate_host_use(
-    wrapper: Any, args, kwargs, error: BaseException, caller: str = "ox.audit"
-) -> HostUseError:
-    """Which host-resident leaves make the trace mix memory spaces: retrace with every
-    other host-resident leaf typed as device memory (only on this error path)."""
-    plan = wrapper.plan(*args, **kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    mask = tuple(map(_is_dynamic, leaves))
-    statics = tuple(x for x, m in zip(leaves, mask) if not m)
-    dynamic = [x for x, m in zip(leaves, mask) if m]
-    in_shardings = tuple(
-        None if lp.memory is None else plan.sharding(lp, getattr(x, "sharding", None))
-        for x, lp in zip(dynamic, plan.leaves)
-    )
-    flat = wrapper._make_flat(plan, treedef, mask, statics, [])
-    entry = _jit.Compilation(None, flat, plan, in_shardings, (), (), (), [])
-    abstract = entry.abstract(dynamic)
-    host = {
-        i
-        for i, a in enumerate(abstract)
-        if a.sharding is not None and a.sharding.memory_kind == "pinned_host"
-    }
-    offenders = []
-    for i in sorted(host):
-        trial = [_as_device(a) if j in host and j != i else a for j, a in enumerate(abstract)]
-        try:
-            jax.make_jaxpr(flat)(*trial)
-        except ValueError as e:
-            if _mixes_memory(e):
-                offenders.append(plan.leaves[i].path)
-        except Exception:
-            pass
-    jax_error = mixed_memory_spaces_summary(error)
-    paths = ", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves"
-    one = len(offenders) <= 1
-    message = _HOST_USE.format(
-        caller=caller,
-        name=wrapper.__name__,
-        paths=paths,
-        are="is" if one else "are",
-        error=jax_error,
-        it="it" if one else "them",
-        its="its" if one else "their",
-    )
-    return HostUseError(message, offenders)

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._jit_interface import flat_on
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, resolve_mesh
 from ._placement import MEMORIES
@@ -112,7 +111,7 @@ def program_of_step(wrapper: Any, args: tuple, kwargs: dict) -> Program:
         for leaf, s in zip(leaves, entry.in_shardings)
     ]
     return Program(
-        flat_on=lambda target_mesh: flat_on(entry, target_mesh),
+        flat_on=lambda target_mesh: entry.flat_on(target_mesh),
         leaves=list(leaves),
         in_memories=memories,
         specs=specs,

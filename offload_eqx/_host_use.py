@@ -16,7 +16,7 @@ from ._plan import Plan
 
 _HOST_USE = (
     "{caller}: {paths} {are} host-resident (pinned_host) and reached an operation that "
-    "mixes memory spaces (`{error}`): either {it} is used outside any "
+    "mixes memory spaces (`{error}`): either {it_is} used outside any "
     "`ox.scan`/`ox.checkpoint` region, or {its} gradient, which comes out host-typed (the "
     "transpose of the fetch sends it back to host memory), meets device values, e.g. in "
     "gradient clipping or the optimizer. Call the module that uses {it} through "
@@ -61,6 +61,7 @@ def locate_host_use(
         are="is" if one else "are",
         error=mixed_memory_spaces_summary(error),
         it="it" if one else "them",
+        it_is="it is" if one else "they are",
         its="its" if one else "their",
     )
     return HostUseError(message, offenders)

@@ -192,7 +192,8 @@ class FilterJit(eqx.Module):
         name = _describe(self.fn)
         similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1]]
         if similar:
-            changed = _changed_statics(tree, mask, similar[-1][2], key[2])
+            roots = self.arguments(*args, **kwargs)
+            changed = _changed_statics(roots, similar[-1][2], key[2])
             if self.audit and changed:
                 raise ImplicitTransferError(_STATIC_RECOMPILE.format(name=name, leaves=changed))
             if len(self.cache.entries) + 1 == CACHE_WARNING:
@@ -261,13 +262,16 @@ class FilterJit(eqx.Module):
         return self.trace(*args, **kwargs).lower()
 
 
-def _changed_statics(tree: Any, mask: Any, old: tuple, new: tuple) -> str:
+def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:
     """The paths and values of the static leaves that differ between two cache keys."""
     paths = [
-        format_keys(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(tree)[0], mask) if not m
+        label + format_keys(p)
+        for label, tree in roots
+        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not isinstance(leaf, ARRAY_TYPES)
     ]
     changed = [
-        f"`args{path}` ({a!r} -> {b!r})" for path, a, b in zip(paths, old, new) if a is not b and a != b
+        f"`{path}` ({a!r} -> {b!r})" for path, a, b in zip(paths, old, new) if a is not b and a != b
     ]
     return ", ".join(changed[:3])
 

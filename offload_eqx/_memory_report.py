@@ -38,7 +38,7 @@ from ._deviceless import (
     program_of_function,
     program_of_step,
 )
-from ._jit_interface import is_filter_jit
+from ._jit import FilterJit
 from ._table import format_bytes, format_table
 from ._targets import Target, get_target
 
@@ -193,7 +193,7 @@ def memory_report(
     **Returns:** an `ox.MemoryReport`; `print` it for a table.
     """
     resolved = get_target(target)
-    if is_filter_jit(fn):
+    if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
             raise ValueError(_NOT_FROM_PLAN.format(name=_name_of(fn)))
         program = program_of_step(fn, args, kwargs)

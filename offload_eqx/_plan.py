@@ -25,7 +25,7 @@ from ._activations import Policy
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
 from ._placement import Memory, Placement, Role
-from ._plan_walk import Annotations, format_keys, is_array_leaf, walk
+from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
 from ._remat_policy import check_names, effective_policy, remat_policy
 from ._strategy import Strategy, resolve_strategy
 from ._table import format_bytes, format_table
@@ -272,12 +272,15 @@ class Plan:
             donated.append(i)
         return tuple(donated)
 
-    def output_arguments(self, out_treedef: Any, out_mask: Sequence[bool], out_avals) -> tuple:
+    def output_arguments(
+        self, out_treedef: Any, out_mask: Sequence[bool], out_avals, unique: bool = True
+    ) -> tuple:
         """For each array output, the `LeafPlan` of the argument leaf it is the new value
-        of (or None): an output subtree with the structure of an argument (the updated
-        model, the new optimizer state) matches it leaf by leaf, where shapes and dtypes
-        agree."""
-        matched = _match_subtrees(out_treedef, self._structure)
+        of (or None): the first output subtree with the structure of an argument (the
+        updated model, the new optimizer state) matches it leaf by leaf, where shapes
+        and dtypes agree. With `unique=False` every such subtree matches (updates shaped
+        like the parameters are sharded like them)."""
+        matched = match_subtrees(out_treedef, self._structure, unique)
         dynamic = [i for i, m in enumerate(out_mask) if m]
         result = []
         for index, aval in zip(dynamic, out_avals):
@@ -293,7 +296,8 @@ class Plan:
         the next step moves nothing), and other outputs follow their type under Explicit
         axes or are left to the compiler (None) under Auto axes."""
         result = []
-        for aval, leaf in zip(out_avals, self.output_arguments(out_treedef, out_mask, out_avals)):
+        like = self.output_arguments(out_treedef, out_mask, out_avals, unique=False)
+        for aval, leaf in zip(out_avals, like):
             memory = "pinned_host" if is_host_aval(aval) else "device"
             if self.mesh is None:
                 result.append(SingleDeviceSharding(device, memory_kind=memory))
@@ -376,29 +380,6 @@ class Plan:
         return format_plan(self)
 
     __repr__ = __str__
-
-
-def _match_subtrees(treedef: Any, candidates: Sequence[tuple[Any, tuple]]) -> dict[int, Any]:
-    """For each leaf index of `treedef`, the entry at the same place in the first
-    candidate structure that a subtree containing it has."""
-    placeholders = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-    matched: dict[int, Any] = {}
-
-    def visit(subtree: Any) -> None:
-        indices, sub_treedef = jax.tree_util.tree_flatten(subtree)
-        for candidate, entries in candidates:
-            if sub_treedef == candidate:
-                for index, entry in zip(indices, entries):
-                    if entry is not None:
-                        matched.setdefault(index, entry)
-                return
-        children = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)[0]
-        for child in children:
-            if child is not subtree:
-                visit(child)
-
-    visit(placeholders)
-    return matched
 
 
 def format_plan(plan: Plan) -> str:

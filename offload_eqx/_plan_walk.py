@@ -8,6 +8,7 @@ walk finds into placements under a strategy and a mesh.
 """
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -113,3 +114,31 @@ def _check_holds_arrays(path: str, value: Any, declared: Placement) -> None:
                 path=path, value=shown, kind=type(shown).__name__, memory=declared.memory
             )
         )
+
+
+def match_subtrees(
+    treedef: Any, candidates: Sequence[tuple[Any, tuple]], unique: bool = False
+) -> dict[int, Any]:
+    """For each leaf index of `treedef`, the entry at the same place in the first
+    candidate structure that a subtree containing it has. With `unique`, each candidate
+    matches one subtree at most (the first, in leaf order)."""
+    placeholders = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    matched: dict[int, Any] = {}
+    used: set[int] = set()
+
+    def visit(subtree: Any) -> None:
+        indices, sub_treedef = jax.tree_util.tree_flatten(subtree)
+        for number, (candidate, entries) in enumerate(candidates):
+            if sub_treedef == candidate and not (unique and number in used):
+                used.add(number)
+                for index, entry in zip(indices, entries):
+                    if entry is not None:
+                        matched.setdefault(index, entry)
+                return
+        children = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)[0]
+        for child in children:
+            if child is not subtree:
+                visit(child)
+
+    visit(placeholders)
+    return matched

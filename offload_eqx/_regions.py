@@ -100,32 +100,31 @@ def _region(plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: lis
     return lambda module, args, kwargs, in_names: checkpointed(module, args, kwargs, in_names)
 
 
-def _closure_converted(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
-    """A plain function (`jax.vmap(block)`, a lambda) hides the arrays it closes over;
-    inside a trace, hoist them into a module the region can see (and fetch)."""
-    if current() is None or isinstance(fn, eqx.Module):
-        return fn, args
-    if any(eqx.is_array(x) for x in jax.tree_util.tree_leaves(fn)):
-        return fn, args
-    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-
-    def call(dynamic):
-        call_args, call_kwargs = eqx.combine(dynamic, static)
-        return fn(*call_args, **call_kwargs)
-
-    converted, consts = jax.closure_convert(call, dynamic)
-    if not consts:
-        return fn, args
-    return _Closure(converted, list(consts), static), (dynamic,)
+_HIDDEN_ARRAYS = (
+    "{caller}: the function given as the module ({fn}) wraps a module whose arrays it "
+    "hides in a closure ({paths}), so the region cannot see its host-resident leaves to "
+    "fetch them (a `jax.vmap(block)` or a lambda does that). Pass a module instead: "
+    "`eqx.filter_vmap(block)` for a vmapped block, or the block itself."
+)
 
 
-class _Closure(eqx.Module):
-    converted: Callable = eqx.field(static=True)
-    consts: list
-    static: Any = eqx.field(static=True)
-
-    def __call__(self, dynamic):
-        return self.converted(dynamic, *self.consts)
+def _check_not_hidden(fn: Callable, caller: str) -> None:
+    """A function wrapping a module (`jax.vmap(block)`: `__wrapped__` is the block) hides
+    its arrays from the region; refuse it when any of them is host-resident."""
+    if isinstance(fn, eqx.Module):
+        return
+    wrapped = getattr(fn, "__wrapped__", None)
+    hidden = jax.tree_util.tree_flatten_with_path(wrapped)[0] if wrapped is not None else []
+    paths = [
+        argument_path(x) or "module" + format_keys(p) for p, x in hidden if is_host_typed(x)
+    ]
+    if paths:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            _HIDDEN_ARRAYS.format(
+                caller=caller, fn=name, paths=", ".join(f"`{p}`" for p in paths[:3])
+            )
+        )
 
 
 def _note_outputs(out: Any, names: list[str | None]) -> None:
@@ -144,22 +143,19 @@ def checkpoint(module: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     The region applies the plan's activation policy to every value named with `ox.name`
     inside the call, and fetches the module's host-resident leaves to the device inside
     the region (again in the backward pass), so their device copies are never residuals.
-    `module` is usually an `eqx.Module`; a function that closes over arrays
-    (`jax.vmap(block)`) works too inside `ox.filter_jit`: its arrays are hoisted.
+    `module` is an `eqx.Module` (or a function of plain arrays): wrap a vmapped block
+    with `eqx.filter_vmap(block)`, not `jax.vmap(block)`, which hides its arrays.
     """
     if not callable(module):
         raise TypeError(
             _NOT_CALLABLE.format(caller="ox.checkpoint", value=module, kind=type(module).__name__)
         )
-    in_kwargs = kwargs
-    module, args = _closure_converted(module, args, kwargs)
-    if isinstance(module, _Closure):
-        in_kwargs = {}
+    _check_not_hidden(module, "ox.checkpoint")
     in_names = _names_of(args)
     has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
     out_names: list = []
     region = _region(_plan_for(module), has_host, True, out_names)
-    out = region(module, args, in_kwargs, in_names)
+    out = region(module, args, kwargs, in_names)
     _note_outputs(out, out_names)
     return out
 

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import offload_eqx as ox
-from offload_eqx._mesh import shard  # `ox.shard` once exported
+shard = ox.shard
 
 FSDP = P(None, "fsdp", None)  # (layers, sharded rows, columns)
 DATA = P("data", None)

@@ -1,0 +1,218 @@
+"""The bugs the scattered placement rules caused (issue 9) and the Equinox code that broke
+(issue 10), each pinned against what plain Equinox does."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jaxtyping import Array, Float, jaxtyped
+from beartype import beartype
+
+import offload_eqx as ox
+
+STRATEGIES = ["annotated", "baseline", "remat", "offload_params", "offload_optimizer", "hybrid"]
+
+
+def _mlp(key=jax.random.key(0)) -> eqx.nn.MLP:
+    return eqx.nn.MLP(16, 16, 32, depth=2, key=key)
+
+
+def test_a_module_as_the_function_is_traced_and_planned_not_baked_in():
+    mlp = _mlp()
+    x = jnp.ones(16)
+    step = ox.filter_jit(mlp)
+    np.testing.assert_allclose(step(x), eqx.filter_jit(mlp)(x), rtol=1e-6)
+    paths = [leaf.path for leaf in step.plan(x).leaves]
+    assert paths[:2] == ["fn.layers[0].weight", "fn.layers[0].bias"]
+    # Weights are arguments: the program does not grow with them (it held 1.58 M
+    # characters of constants for MLP(64, 64, 384, depth=2) when they were baked in).
+    big = eqx.nn.MLP(64, 64, 384, depth=2, key=jax.random.key(1))
+    assert len(ox.filter_jit(big).lower(jnp.ones(64)).as_text()) < 20_000
+    # A bound method too, and an error inside is the user's error, not the wrapper's.
+    assert ox.filter_jit(mlp.__call__)(x).shape == (16,)
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        step(jnp.ones(3))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_annotated_eqx_nn_layer_brings_its_own_region(strategy):
+    """`ox.annotate` on an unmodified `eqx.nn.MLP`'s layer, called as `mlp(x)`."""
+    plain = _mlp()
+    mlp = ox.place(ox.annotate(plain, lambda m: m.layers[1], memory="pinned_host"), strategy)
+    x = jnp.linspace(-1.0, 1.0, 16)
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    step = ox.filter_jit(eqx.filter_value_and_grad(loss), strategy=strategy)
+    value, grads = step(mlp, x)
+    expected, expected_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(plain, x)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    np.testing.assert_allclose(grads.layers[1].weight, expected_grads.layers[1].weight, rtol=1e-6)
+    host = strategy in ("annotated", "offload_params", "hybrid")
+    kind = grads.layers[1].weight.sharding.memory_kind
+    assert kind == ("pinned_host" if host else "device")
+    ox.audit(step, mlp, x).assert_no_implicit()
+
+
+def test_a_region_per_call_can_be_opted_out_of():
+    mlp = ox.annotate(_mlp(), lambda m: m.layers[1], memory="pinned_host", region=False)
+    mlp = ox.place(mlp)
+    with pytest.raises(ox.HostUseError, match=r"`m.layers\[1\].weight`.*outside any"):
+        ox.filter_jit(lambda m, x: m(x))(mlp, jnp.ones(16))
+
+
+@jaxtyped(typechecker=beartype)
+def _dropout_loss(model: "DropoutNet", x: Float[Array, "batch 16"], key: jax.Array) -> Array:
+    keys = jax.random.split(key, x.shape[0])
+    return jnp.mean(jax.vmap(model)(x, keys) ** 2)
+
+
+class DropoutNet(eqx.Module):
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __call__(self, x, key):
+        return self.dropout(self.linear(x), key=key)
+
+
+def test_typed_prng_keys_plan_compile_and_place():
+    net = DropoutNet(eqx.nn.Linear(16, 16, key=jax.random.key(0)), eqx.nn.Dropout(0.5))
+    net = ox.annotate(net, lambda m: m.linear, memory="device")
+    x = jnp.ones((4, 16))
+    key = jax.random.key(1)  # a typed key, as eqx.nn.Dropout users pass
+    for strategy in ("annotated", "hybrid"):
+        step = ox.filter_jit(eqx.filter_value_and_grad(_dropout_loss), strategy=strategy)
+        value, _ = step(ox.place(net, strategy), x, key)
+        expected, _ = eqx.filter_jit(eqx.filter_value_and_grad(_dropout_loss))(net, x, key)
+        np.testing.assert_allclose(value, expected, rtol=1e-6)
+    plan = ox.filter_jit(_dropout_loss).plan(net, x, key)
+    assert [(leaf.path, str(leaf.dtype), leaf.nbytes) for leaf in plan.leaves][-1] == (
+        "key",
+        "key<fry>",
+        8,
+    )
+    assert ox.place({"k": key})["k"].dtype == key.dtype
+
+
+def test_donate_all_except_first_keeps_the_first_argument_however_passed():
+    step = ox.filter_jit(
+        lambda model, x: (jax.tree.map(lambda a: a + 1, model), x * 2),
+        donate="all-except-first",
+    )
+    model = {"w": jnp.ones(3)}
+    x = jnp.ones(3)
+    step(model=model, x=x)
+    assert not model["w"].is_deleted()
+    assert x.is_deleted()  # the rest is donated
+
+
+def test_the_same_array_in_two_donated_arguments_is_refused_before_running():
+    step = ox.filter_jit(lambda a, b: (a + 1, b + 1), donate="all")
+    x = jnp.ones(3)
+    with pytest.raises(ValueError, match=r"the same array is passed as `a` and `b`.*jnp.copy"):
+        step(x, x)
+    assert not x.is_deleted()
+
+
+def test_block_output_names_are_offloaded_at_the_next_region():
+    """A block that names its own output (what users write) is offloaded where that
+    value is saved: at the input of the next region."""
+
+    class Block(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return ox.name(jnp.tanh(x @ self.w), "h")
+
+    class Blocks(eqx.Module):
+        blocks: list
+        activations: ox.Activations = ox.activations(h="offload")
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = ox.checkpoint(block, x)
+            return x
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = Blocks([Block(jax.random.normal(k, (16, 16)) * 0.3) for k in keys])
+    x = jnp.ones((4, 16))
+    step = ox.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2)))
+    report = ox.audit(step, model, x)
+    down = report.select(direction="device-to-host", kind="activation")
+    assert [t.what for t in down] == ["h", "h"] and report.total("device-to-host") == 2 * 256
+    expected = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2)))(model, x)
+    for got, want in zip(jax.tree.leaves(step(model, x)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_hybrid_without_activation_names_offloads_parameters_and_state():
+    mlp = ox.place(ox.annotate(_mlp(), lambda m: m.layers, memory="device"), "hybrid")
+    opt = ox.offload_optimizer(optax.adam(1e-3))
+    state = opt.init(mlp)
+
+    @ox.filter_jit(strategy="hybrid")
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        updates, state = opt.update(grads, state, model)
+        return ox.apply_updates(model, updates), state
+
+    model, state = step(mlp, state, jnp.ones(16))
+    assert model.layers[0].weight.sharding.memory_kind == "pinned_host"
+    with pytest.raises(ValueError, match=r"Strategy 'offload_activations' offloads activations"):
+        ox.filter_jit(lambda m, x: m(x), strategy="offload_activations")(mlp, jnp.ones(16))
+
+
+def test_jax_vmap_of_a_host_module_in_a_region_names_the_fix():
+    class Layer(eqx.Module):
+        w: jax.Array = ox.field(memory="pinned_host")
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w)
+
+    layer = ox.place(Layer(jnp.ones((8, 8)) * 0.1))
+    x = jnp.ones((4, 8))
+    bad = ox.filter_jit(lambda m, x: ox.checkpoint(jax.vmap(m), x))
+    with pytest.raises(TypeError, match=r"hides in a closure.*eqx.filter_vmap\(block\)"):
+        bad(layer, x)
+    good = ox.filter_jit(lambda m, x: ox.checkpoint(eqx.filter_vmap(m), x))
+    np.testing.assert_allclose(good(layer, x), jnp.tanh(x @ jnp.ones((8, 8)) * 0.1), rtol=1e-6)
+
+
+def test_the_cache_key_holds_shapes_and_warns_when_statics_keep_changing():
+    step = ox.filter_jit(lambda x, scale: x * scale)
+    step(jnp.ones(3), 2.0)
+    step(jnp.ones(4), 2.0)  # a new shape is a new entry, validated like the first
+    assert len(step.cache.entries) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(ox._jit.CACHE_WARNING):
+            step(jnp.ones(3), float(i))
+    messages = [str(w.message) for w in caught]
+    assert any("compiled 32 versions" in m and "`scale` (" in m for m in messages), messages
+
+
+def test_under_audit_a_changing_static_leaf_is_an_error():
+    step = ox.filter_jit(lambda x, scales: x * scales[0], audit=True)
+    x = jnp.ones(3)
+    step(x, [1.0])
+    with pytest.raises(ox.ImplicitTransferError, match=r"`scales\[0\]` \(1.0 -> 2.0\)"):
+        step(x, [2.0])
+
+
+def test_a_nested_step_keeps_its_own_plan_and_checks():
+    class Named(eqx.Module):
+        w: jax.Array
+        activations: ox.Activations = ox.activations(missing="offload")
+
+        def __call__(self, x):
+            return x @ self.w
+
+    inner = ox.filter_jit(lambda m, x: ox.checkpoint(m, x))
+    outer = ox.filter_jit(lambda m, x: inner(m, x))
+    with pytest.raises(ValueError, match="'missing' is declared 'offload'.*never produces"):
+        outer(Named(jnp.ones((3, 3))), jnp.ones(3))
