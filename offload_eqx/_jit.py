@@ -18,7 +18,7 @@ from jax.core import Tracer
 
 from ._compile import Compilation, compile_entry
 from ._errors import ImplicitTransferError
-from ._guard import no_implicit_transfers
+from ._guard import explain, no_implicit_transfers
 from ._mesh import check_mesh, put, same_place
 from ._plan import Plan
 from ._plan_walk import ARRAY_TYPES, format_keys
@@ -136,6 +136,13 @@ class FilterJit(eqx.Module):
             self._check_distinct(entry, dynamic)
         try:
             out = entry.jitted(*dynamic)
+        except jax.errors.JaxRuntimeError as error:
+            # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused
+            # an argument's upload: say which leaf, which only this call knows.
+            message = explain(error, self.arguments(*args, **kwargs))
+            if message is None:
+                raise
+            raise ImplicitTransferError(message) from None
         except ValueError as e:
             if _MEMORY_MISMATCH not in str(e) and _SHARDING_MISMATCH not in str(e):
                 raise

@@ -216,3 +216,13 @@ def test_a_nested_step_keeps_its_own_plan_and_checks():
     outer = ox.filter_jit(lambda m, x: inner(m, x))
     with pytest.raises(ValueError, match="'missing' is declared 'offload'.*never produces"):
         outer(Named(jnp.ones((3, 3))), jnp.ones(3))
+
+
+def test_a_numpy_leaf_under_the_guard_is_named_by_its_path():
+    linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    linear = eqx.tree_at(lambda m: m.bias, linear, np.zeros(2, np.float32))
+    step = ox.filter_jit(lambda lin, x: lin(x))
+    x = jnp.ones(3)
+    with pytest.raises(ox.ImplicitTransferError, match=r"`lin.bias` is a numpy.ndarray"):
+        with ox.no_implicit_transfers():
+            step(linear, x)
