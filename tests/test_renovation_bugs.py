@@ -226,3 +226,22 @@ def test_a_numpy_leaf_under_the_guard_is_named_by_its_path():
     with pytest.raises(ox.ImplicitTransferError, match=r"`lin.bias` is a numpy.ndarray"):
         with ox.no_implicit_transfers():
             step(linear, x)
+
+
+def test_donated_buffers_survive_trace_errors_but_not_run_time_errors():
+    """What the README says of donation and errors."""
+
+    def fail(x):
+        raise RuntimeError("boom")
+
+    def step(model, x):
+        bad = jax.pure_callback(fail, jax.ShapeDtypeStruct((3,), jnp.float32), x)
+        return model + bad, x
+
+    model, x = jnp.ones(3), jnp.ones(3)
+    with pytest.raises(TypeError):  # at trace time: nothing runs, nothing is donated
+        ox.filter_jit(lambda m, x: (m @ jnp.ones((4, 4)), x), donate="all")(model, x)
+    assert not model.is_deleted()
+    with pytest.raises(Exception, match="pure_callback failed|boom"):
+        ox.filter_jit(step, donate="all")(model, x)
+    assert model.is_deleted() and x.is_deleted()
