@@ -158,6 +158,7 @@ def compile_entry(
         if not mixes_memory_spaces(error):
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
+    plan.check_offloads(traced.jaxpr.jaxpr)
     entry.out_avals = tuple(traced.jaxpr.out_avals)
     out_treedef, _, out_mask = cell
     entry.out_shardings = plan.output_shardings(

@@ -26,7 +26,7 @@ from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
 from ._placement import Memory, Placement, Role
 from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
-from ._remat_policy import check_names, effective_policy, remat_policy
+from ._remat_policy import check_names, check_offloads, effective_policy, remat_policy
 from ._strategy import Strategy, resolve_strategy
 from ._table import format_bytes, format_table
 
@@ -357,6 +357,11 @@ class Plan:
             outside_regions,
             regions,
         )
+
+    def check_offloads(self, jaxpr: Any) -> None:
+        """After a trace: in a differentiated program, every name the plan offloads is
+        moved to host memory (else the backward pass never reads it)."""
+        check_offloads(self.declared_activations, self.activations, self.strategy, jaxpr)
 
     # -- identity and printing -------------------------------------------------------------
 

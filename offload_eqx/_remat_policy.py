@@ -9,9 +9,11 @@ from the effective policies; the checks on what a trace produced live here too, 
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+import jax.extend as jex
 from jax import checkpoint_policies
 
 from ._activations import Policy
+from ._errors import ContractError, Violation
 from ._strategy import Strategy
 
 _NEVER_PRODUCED = (
@@ -25,6 +27,16 @@ _OUTSIDE_REGIONS = (
     "`ox.scan`/`ox.checkpoint` regions, where no remat policy applies, so it would be "
     "kept on the device whatever its policy. Call the module that names it through "
     "`ox.scan(...)` or `ox.checkpoint(...)`."
+)
+
+
+_NOTHING_TO_OFFLOAD = (
+    "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
+    "{strategy!r}, but the backward pass never reads it, so the program saves nothing of it "
+    "and there is nothing to offload (the derivative of what consumes it reads something "
+    "else: `relu`'s reads its input, a sum reads nothing). Name the value the backward pass "
+    "does read (often the input of the operation: `ox.name(x, {name!r})` before it), or "
+    "declare {name!r} 'remat'."
 )
 
 
@@ -89,3 +101,48 @@ def check_names(
                 name=name, policy=policy, module=module, produced=sorted(produced) or "none"
             )
         )
+
+
+def _scan_offloads(jaxpr: Any, offloaded: set[str], stacks: list[str]) -> None:
+    named: dict[Any, str] = {}
+    for eqn in jaxpr.eqns:
+        stacks.append(str(eqn.source_info.name_stack))
+        if eqn.primitive.name == "name":
+            named[eqn.outvars[0]] = eqn.params["name"]
+        elif eqn.primitive.name == "device_put" and any(
+            str(d).endswith("Host") for d in eqn.params.get("devices", ())
+        ):
+            offloaded.update(named[v] for v in eqn.invars if v in named)
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            _scan_offloads(sub, offloaded, stacks)
+
+
+def check_offloads(
+    declared: Mapping[str, tuple[Policy, str]],
+    effective: Mapping[str, Policy],
+    strategy: Strategy,
+    jaxpr: Any,
+) -> None:
+    """In a differentiated program every name whose effective policy is "offload" must
+    be moved to host memory: otherwise the backward pass never needed it, and the
+    declaration does nothing. The audit reaches the same verdict through this check."""
+    wanted = [n for n, p in effective.items() if p == "offload"]
+    if not wanted:
+        return
+    offloaded: set[str] = set()
+    stacks: list[str] = []
+    _scan_offloads(jaxpr, offloaded, stacks)
+    if not any("transpose(" in s for s in stacks):
+        return  # no backward pass: nothing is saved, nothing to offload
+    missing = [n for n in wanted if n not in offloaded]
+    if not missing:
+        return
+    messages = [
+        _NOTHING_TO_OFFLOAD.format(
+            name=n, policy=declared[n][0], module=declared[n][1], strategy=strategy.name
+        )
+        for n in missing
+    ]
+    raise ContractError(
+        " ".join(messages), [Violation("nothing to offload", n, m) for n, m in zip(missing, messages)]
+    )

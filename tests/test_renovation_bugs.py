@@ -245,3 +245,28 @@ def test_donated_buffers_survive_trace_errors_but_not_run_time_errors():
     with pytest.raises(Exception, match="pure_callback failed|boom"):
         ox.filter_jit(step, donate="all")(model, x)
     assert model.is_deleted() and x.is_deleted()
+
+
+def test_a_name_the_backward_pass_never_reads_is_refused_alike_by_jit_and_audit():
+    class Residual(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x + ox.name(jax.nn.relu(x @ self.w), "act")  # relu's backward reads x @ w
+
+    class Model(eqx.Module):
+        block: Residual
+        activations: ox.Activations = ox.activations(act="offload")
+
+        def __call__(self, x):
+            return ox.checkpoint(self.block, x)
+
+    model, x = Model(Residual(jnp.ones((4, 4)))), jnp.ones((2, 4))
+    grad = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))
+    message = r"'act' is declared 'offload'.*never reads it.*nothing to offload.*'remat'"
+    with pytest.raises(ox.ContractError, match=message):
+        ox.filter_jit(grad)(model, x)
+    with pytest.raises(ox.ContractError, match=message):
+        ox.audit(ox.filter_jit(grad), model, x)
+    # Without a backward pass nothing is saved anyway: a forward step is fine.
+    assert ox.filter_jit(lambda m, x: m(x))(model, x).shape == (2, 4)
