@@ -31,9 +31,7 @@ import numpy as np
 
 from ._errors import (
     ContractError as ContractError,
-    HostUseError,
     Violation as Violation,
-    mixed_memory_spaces_summary,
 )
 from ._guard import device_offenders
 from ._jaxpr_walk import (

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from ._errors import mixes_memory_spaces
 from ._host_use import locate_host_use
@@ -45,8 +46,13 @@ def typed(sharding: Any) -> Any:
 
 
 def make_flat(
-    call: Callable[[Any], Any], plan: Plan, treedef: Any, mask: Sequence[bool], statics: tuple,
-    out_cell: list, check: bool = True,
+    call: Callable[[Any], Any],
+    plan: Plan,
+    treedef: Any,
+    mask: Sequence[bool],
+    statics: tuple,
+    out_cell: list,
+    check: bool = True,
 ) -> Callable[..., list]:
     """The function of the array leaves: rebuild the arguments, call under `plan`."""
 
@@ -59,7 +65,11 @@ def make_flat(
             plan.check_names(state.inside_regions, state.outside_regions, state.regions)
         out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
         out_mask = tuple(map(is_array_leaf, out_leaves))
-        out_cell[:] = [out_treedef, tuple(x for x, m in zip(out_leaves, out_mask) if not m), out_mask]
+        out_cell[:] = [
+            out_treedef,
+            tuple(x for x, m in zip(out_leaves, out_mask) if not m),
+            out_mask,
+        ]
         return [x for x, m in zip(out_leaves, out_mask) if m]
 
     return flat
@@ -122,7 +132,7 @@ class Compilation:
 
 def _device_of(leaves: Sequence[Any]) -> Any:
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
             devices = leaf.sharding.device_set
             if len(devices) == 1:
                 return next(iter(devices))

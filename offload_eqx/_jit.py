@@ -159,7 +159,11 @@ class FilterJit(eqx.Module):
         """Called inside another trace: run inline, like a nested `jax.jit`, under this
         wrapper's own plan, and check its names; they count for the outer trace too."""
         plan = self.plan(*args, **kwargs)
-        leaves = [x for x in jax.tree_util.tree_leaves(self._tree(args, kwargs)) if isinstance(x, ARRAY_TYPES)]
+        leaves = [
+            x
+            for x in jax.tree_util.tree_leaves(self._tree(args, kwargs))
+            if isinstance(x, ARRAY_TYPES)
+        ]
         outer = current()
         with tracing(plan, leaves) as state:
             out = self.fn(*args, **kwargs)
@@ -183,7 +187,8 @@ class FilterJit(eqx.Module):
         positional = [
             p.name
             for p in parameters
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            if p.kind
+            in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ]
         roots = [("fn", self.fn)] if self.fn_has_arrays else []
         for i, arg in enumerate(args):
@@ -215,13 +220,18 @@ class FilterJit(eqx.Module):
             keep_root = 1 if self.fn_has_arrays else 0
         fn = self.fn
         call = (
-            (lambda t: t[0](*t[1], **t[2]))
-            if self.fn_has_arrays
-            else (lambda t: fn(*t[0], **t[1]))
+            (lambda t: t[0](*t[1], **t[2])) if self.fn_has_arrays else (lambda t: fn(*t[0], **t[1]))
         )
         statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
         entry = compile_entry(
-            call, plan, treedef, mask, statics, dynamic, self.donate, keep_root,
+            call,
+            plan,
+            treedef,
+            mask,
+            statics,
+            dynamic,
+            self.donate,
+            keep_root,
             f"ox.filter_jit({name})",
         )
         self.cache.entries[key] = entry

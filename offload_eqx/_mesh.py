@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-
 AnyMesh = Mesh | AbstractMesh
 
 _NO_MESH = (

@@ -6,6 +6,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._memory_space import to_host, type_matches
@@ -93,7 +94,7 @@ def shard(
             f"ox.shard: `x{format_keys(path)}` is {value!r} (a {type(value).__name__}), not an "
             "array. Shard arrays: convert it first, e.g. `ox.shard(jnp.asarray(x), spec, mesh)`."
         )
-    traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in leaves)
+    traced = any(isinstance(leaf, Tracer) for _, leaf in leaves)
     if mesh is None:
         plan = active_plan() if traced else None
         mesh = None if plan is None else plan.mesh

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._activations import Policy
@@ -43,8 +44,7 @@ _NO_MESH = (
     "`ox.filter_jit(..., mesh=mesh)`; or drop the spec to keep the leaf on one device."
 )
 _OFFLOADS_NOTHING = (
-    "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. "
-    "{fix}"
+    "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. {fix}"
 )
 
 
@@ -82,7 +82,7 @@ class LeafPlan:
 
 
 def _current_sharding(leaf: Any) -> Any:
-    if isinstance(leaf, jax.core.Tracer):
+    if isinstance(leaf, Tracer):
         return None  # a call inside another trace: the outer program decides
     return getattr(leaf, "sharding", None)
 
@@ -405,7 +405,9 @@ def format_plan(plan: Plan) -> str:
     for leaf in plan.leaves:
         key = leaf.memory or "(as given)"
         totals[key] = totals.get(key, 0) + leaf.nbytes
-    lines.append("totals: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(totals.items())))
+    lines.append(
+        "totals: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(totals.items()))
+    )
     if plan.activations:
         rest = "saved" if plan.saves_everything else "recomputed"
         lines.append(

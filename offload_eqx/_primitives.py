@@ -102,6 +102,6 @@ def callback_name(eqn) -> str:
         "pure_callback": "jax.pure_callback",
         "io_callback": "io_callback",
         "debug_callback": "jax.debug.callback",
-    }.get(prim, prim)
+    }.get(prim) or prim
     name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
     return f"{label}({name})" if name else label

@@ -115,9 +115,7 @@ def _check_not_hidden(fn: Callable, caller: str) -> None:
         return
     wrapped = getattr(fn, "__wrapped__", None)
     hidden = jax.tree_util.tree_flatten_with_path(wrapped)[0] if wrapped is not None else []
-    paths = [
-        argument_path(x) or "module" + format_keys(p) for p, x in hidden if is_host_typed(x)
-    ]
+    paths = [argument_path(x) or "module" + format_keys(p) for p, x in hidden if is_host_typed(x)]
     if paths:
         name = getattr(fn, "__name__", type(fn).__name__)
         raise TypeError(

@@ -144,5 +144,6 @@ def check_offloads(
         for n in missing
     ]
     raise ContractError(
-        " ".join(messages), [Violation("nothing to offload", n, m) for n, m in zip(missing, messages)]
+        " ".join(messages),
+        [Violation("nothing to offload", n, m) for n, m in zip(missing, messages)],
     )

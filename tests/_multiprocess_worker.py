@@ -19,6 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import offload_eqx as ox
+
 shard = ox.shard
 
 FSDP = P(None, "fsdp", None)  # (layers, sharded rows, columns)

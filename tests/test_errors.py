@@ -208,7 +208,8 @@ def test_wrong_optimizer_state():
     opt = make_optimizer()
     model = ox.place(scanned_model(jax.random.key(0)))
     with pytest.raises(
-        TypeError, match=r"the optimizer state is a builtins.tuple, not the state returned by this optimizer.s `init`"
+        TypeError,
+        match=r"the optimizer state is a builtins.tuple, not the state returned by this optimizer.s `init`",
     ):
         opt.update(model, (), model)
 

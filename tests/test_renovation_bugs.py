@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jaxtyping import Array, Float, jaxtyped
 from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
 
