@@ -61,3 +61,16 @@ def mixed_memory_spaces_summary(error: BaseException) -> str:
         return text.split("\n")[0]
     end = text.find("same", start)
     return text[start : end + 4] if end >= 0 else text[start:].split("\n")[0]
+
+
+# JAX's words when a jitted call gets an argument in another memory kind or sharding than
+# its `in_shardings` (`ox.filter_jit` then moves the argument explicitly).
+_PLACEMENT_MISMATCH = (
+    "Memory kinds passed to jax.jit does not match",
+    "Sharding passed to jit does not match",
+)
+
+
+def is_placement_mismatch(error: BaseException) -> bool:
+    """Whether `error` is JAX's refusal of an argument placed otherwise than `in_shardings`."""
+    return isinstance(error, ValueError) and any(t in str(error) for t in _PLACEMENT_MISMATCH)

@@ -17,7 +17,7 @@ import jax
 from jax.core import Tracer
 
 from ._compile import Compilation, compile_entry
-from ._errors import ImplicitTransferError
+from ._errors import ImplicitTransferError, is_placement_mismatch
 from ._guard import explain, no_implicit_transfers
 from ._mesh import check_mesh, put, same_place
 from ._plan import Plan
@@ -27,8 +27,6 @@ from ._trace_state import current, tracing
 
 Donate = Literal["all", "all-except-first", "none"]
 _DONATE = ("all", "all-except-first", "none")
-_MEMORY_MISMATCH = "Memory kinds passed to jax.jit does not match"
-_SHARDING_MISMATCH = "Sharding passed to jit does not match"
 # A wrapper warns once its cache holds this many compilations (see `_compile_new`).
 CACHE_WARNING = 32
 
@@ -144,7 +142,7 @@ class FilterJit(eqx.Module):
                 raise
             raise ImplicitTransferError(message) from None
         except ValueError as e:
-            if _MEMORY_MISMATCH not in str(e) and _SHARDING_MISMATCH not in str(e):
+            if not is_placement_mismatch(e):
                 raise
             # Arguments not yet where the plan puts them (a new strategy on a model placed
             # for another): move them once, explicitly; the outputs come back in planned
