@@ -9,7 +9,6 @@ in a cache, and calls a `jax.jit` whose arguments are the array leaves themselve
 
 import inspect
 import warnings
-from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -318,12 +317,12 @@ def _move(dynamic: list, shardings: tuple) -> list:
 
 
 def filter_jit(
-    fn: Callable | None = None,
+    fn: Any = None,
     *,
     strategy: "str | Strategy | Plan | None" = None,
     donate: str = "none",
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    audit: bool = False,
+    audit: Any = False,  # checked below, with a message that says what was meant
 ) -> Any:
     """`eqx.filter_jit` that compiles the placement plan of its arguments.
 

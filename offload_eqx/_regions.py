@@ -135,7 +135,7 @@ def _note_outputs(out: Any, names: list[str | None]) -> None:
             state.named_outputs[id(leaf)] = (n, leaf)
 
 
-def checkpoint(module: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
     """Call `module(*args, **kwargs)` inside a remat region.
 
     The region applies the plan's activation policy to every value named with `ox.name`
@@ -172,10 +172,10 @@ def _layer_lengths(with_paths: list, axis: int) -> dict[int, list[str]]:
 
 
 def scan(
-    stacked: Callable[..., Any],
+    stacked: Any,
     carry: Any,
     *args: Any,
-    axis: int = 0,
+    axis: Any = 0,  # an int; checked below with a message naming the fix
     unroll: int | bool = 1,
     **kwargs: Any,
 ) -> Any:

@@ -232,3 +232,122 @@ def test_scan_errors_name_the_argument_path_inside_filter_jit():
 
     with pytest.raises(ValueError, match=r"axis=1\): `model.layers.w1` is host-resident"):
         forward(model, jnp.ones((8, 16)))
+
+
+# -- the bad-input table (issue 10, item 10 and what was found beside it) ---------------
+# Each case runs against a donated step's arguments and must fail before any work with a
+# message naming the path or value and the fix; the model and optimizer state it was
+# given must be intact afterwards (not donated, equal to before).
+
+
+def _case_zero_d_scan(model, opt_state):
+    class Scalars(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x * self.w
+
+    ox.filter_jit(lambda m, x: ox.scan(m, x), donate="all")(Scalars(jnp.float32(2.0)), model)
+
+
+def _case_field_on_floats(model, opt_state):
+    class Floats(eqx.Module):
+        values: list = ox.field(memory="pinned_host")
+
+    ox.plan(Floats([1.0, 2.0]))
+
+
+def _case_duplicate_axis(model, opt_state):
+    mesh = jax.make_mesh((1, 1), ("fsdp", "data"), devices=jax.devices()[:1])
+    ox.shard(jnp.ones((2, 2)), jax.sharding.PartitionSpec("fsdp", "fsdp"), mesh)
+
+
+def _case_scan_axis_string(model, opt_state):
+    ox.scan(model.layers, jnp.ones((3, 16)), axis="0")  # type: ignore[arg-type]
+
+
+def _case_checkpoint_array(model, opt_state):
+    ox.checkpoint(jnp.ones(3), jnp.ones(3))  # type: ignore[arg-type]
+
+
+def _case_shard_memory(model, opt_state):
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    ox.shard(jnp.ones(2), jax.sharding.PartitionSpec("data"), mesh, memory="gpu")
+
+
+def _case_shard_list(model, opt_state):
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    ox.shard([1.0, 2.0], jax.sharding.PartitionSpec("data"), mesh)
+
+
+def _case_audit_string(model, opt_state):
+    ox.filter_jit(lambda m: m, audit="no")  # type: ignore[arg-type]
+
+
+def _case_empty_name(model, opt_state):
+    ox.activations(**{"": "save"})
+
+
+def _case_factory(model, opt_state):
+    ox.offload_optimizer(optax_adam_factory())
+
+
+def _case_state_of_another_model(model, opt_state):
+    other = ox.place(scanned_model(jax.random.key(1), width=8, hidden=8))
+    step = make_step(make_optimizer(), "annotated", donate="all")
+    step(other, opt_state, jnp.ones((3, 8)))
+
+
+def _case_same_array_twice(model, opt_state):
+    ox.filter_jit(lambda a, b: (a, b), donate="all")(model, model)
+
+
+def _case_not_callable(model, opt_state):
+    ox.filter_jit(model.layers.w1)
+
+
+def optax_adam_factory():
+    import optax
+
+    return optax.adam  # the factory, not a transformation
+
+
+BAD_INPUTS = [
+    (_case_zero_d_scan, ValueError, r"`m.w` \(shape \(\)\).*eqx.filter_vmap"),
+    (_case_field_on_floats, ValueError, r"`tree.values`.*\[1.0, 2.0\].*only arrays have a memory"),
+    (_case_duplicate_axis, ValueError, r"uses the mesh axis 'fsdp' twice.*at most once"),
+    (_case_scan_axis_string, TypeError, r"axis='0'.*non-negative int"),
+    (_case_checkpoint_array, TypeError, r"ox.checkpoint was given .* not callable.*\(block, x\)"),
+    (_case_shard_memory, ValueError, r"ox.shard\(memory=...\) has memory 'gpu'; expected one of"),
+    (_case_shard_list, TypeError, r"`x\[0\]` is 1.0 \(a float\), not an array.*jnp.asarray"),
+    (_case_audit_string, TypeError, r"audit='no'.*expected True or False"),
+    (_case_empty_name, ValueError, r"activation name ''.*non-empty string"),
+    (_case_factory, TypeError, r"optax.adam\(1e-3\)"),
+    (
+        _case_state_of_another_model,
+        ValueError,
+        r"state.inner\[1\]\[0\].mu.layers.w1` has shape.*opt.init\(model\)",
+    ),
+    (
+        _case_same_array_twice,
+        ValueError,
+        r"same array is passed as `a.layers.w1` and `b.layers.w1`",
+    ),
+    (_case_not_callable, TypeError, r"not callable.*Pass the function"),
+]
+
+
+@pytest.mark.parametrize(
+    "case, error, message", BAD_INPUTS, ids=[c.__name__[len("_case_") :] for c, _, _ in BAD_INPUTS]
+)
+def test_bad_input_is_refused_before_any_work(case, error, message):
+    opt = make_optimizer()
+    model = ox.place(scanned_model(jax.random.key(0)))
+    opt_state = opt.init(model)
+    before = [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
+    with pytest.raises(error, match=message):
+        case(model, opt_state)
+    after = jax.tree.leaves((model, opt_state))
+    assert not any(x.is_deleted() for x in after)
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, np.asarray(y))
