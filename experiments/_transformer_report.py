@@ -108,12 +108,12 @@ def loss_table(cpu: dict) -> str:
     return format_table(header, body, markdown=True)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path) -> bool:
     """Device memory at batch 1 and the largest batch, per strategy, for each
-    (config, target)."""
+    (config, target), into `path`; False when there is nothing to plot or no matplotlib."""
     plt = pyplot()
-    if plt is None:
-        return
+    if plt is None or not rows:
+        return False
     groups = sorted(
         {(r["config"], r["target"]) for r in rows}, key=lambda g: (list(CONFIGS).index(g[0]), g[1])
     )
@@ -143,3 +143,4 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return True

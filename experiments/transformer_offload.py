@@ -227,9 +227,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     stem = "transformer_offload" + (f"_{tag}" if tag else "")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    if rows:
-        plot(rows, out / f"{stem}.png")
-    print(f"wrote {out / stem}.json" + (" and .png" if rows else ""))
+    plotted = plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json" + (" and .png" if plotted else ""))
     return results
 
 
