@@ -87,70 +87,10 @@ class FilterJit(eqx.Module):
             return self
         return jax.tree_util.Partial(self, instance)
 
-    # -- the per-call path -------------------------------------------------------------
+    # -- the per-call path: `_call`, a module-level function (see there) ----------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.audit:
-            with no_implicit_transfers(self.arguments(*args, **kwargs)):
-                return self._call(args, kwargs)
-        return self._call(args, kwargs)
-
-    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs and self.signature is not None:
-            bound = self.signature.bind(*args, **kwargs)
-            return bound.args, bound.kwargs
-        return args, kwargs
-
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = self._bind(args, kwargs)
-        tree = (self.fn, args, kwargs) if self.fn_has_arrays else (args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        dynamic, statics, mask, types = [], [], [], []
-        for leaf in leaves:
-            if isinstance(leaf, ARRAY_TYPES):
-                if isinstance(leaf, Tracer):
-                    return self._inline(args, kwargs)
-                dynamic.append(leaf)
-                mask.append(True)
-                types.append((leaf.shape, leaf.dtype))
-            else:
-                statics.append(leaf)
-                mask.append(False)
-        key = (treedef, tuple(mask), tuple(statics), tuple(types))
-        try:
-            entry = self.cache.entries.get(key)
-        except TypeError as e:
-            raise TypeError(
-                f"ox.filter_jit({_describe(self.fn)}): a non-array argument is not hashable "
-                f"({e}). Non-array leaves are static (part of the compile cache key), so they "
-                "must be hashable: pass arrays for values that change, or make the object "
-                "hashable."
-            ) from None
-        if entry is None:
-            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-            dynamic = _move(dynamic, entry.in_shardings)
-        if entry.donate_argnums and len(set(map(id, dynamic))) < len(dynamic):
-            self._check_distinct(entry, dynamic)
-        try:
-            out = entry.jitted(*dynamic)
-        except jax.errors.JaxRuntimeError as error:
-            # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused
-            # an argument's upload: say which leaf, which only this call knows.
-            message = explain(error, self.arguments(*args, **kwargs))
-            if message is None:
-                raise
-            raise ImplicitTransferError(message) from None
-        except ValueError as e:
-            if not is_placement_mismatch(e):
-                raise
-            # Arguments not yet where the plan puts them (a new strategy on a model placed
-            # for another): move them once, explicitly; the outputs come back in planned
-            # memory, so the next call moves nothing. Under audit, a cached step that
-            # keeps receiving misplaced arguments is an error: it would copy every call.
-            if self.audit:
-                _raise_misplaced(entry, dynamic)
-            out = entry.jitted(*_move(dynamic, entry.in_shardings))
-        return entry.rebuild(out)
+        return _call(self, args, kwargs)
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """Called inside another trace: run inline, like a nested `jax.jit`, under this
@@ -179,7 +119,7 @@ class FilterJit(eqx.Module):
     def arguments(self, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
         """Each argument with its label (the function's parameter names), in the order
         of the array leaves of the call: `[("model", model), ("x", x)]`."""
-        args, kwargs = self._bind(args, kwargs)
+        args, kwargs = _bind(self.signature, args, kwargs)
         parameters = [] if self.signature is None else list(self.signature.parameters.values())
         positional = [
             p.name
@@ -249,7 +189,7 @@ class FilterJit(eqx.Module):
                 )
 
     def _entry_for(self, args: tuple, kwargs: dict) -> tuple[Compilation, list]:
-        args, kwargs = self._bind(args, kwargs)
+        args, kwargs = _bind(self.signature, args, kwargs)
         tree = self._tree(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
@@ -275,6 +215,80 @@ class FilterJit(eqx.Module):
         """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
         return self.trace(*args, **kwargs).lower()
 
+
+
+# The per-call path reads the wrapper's fields with `object.__getattribute__` and calls
+# module-level functions: an `eqx.Module` builds a bound-method module for every method
+# looked up on an instance and checks every attribute read in Python, which would cost
+# more than the rest of the call.
+_get = object.__getattribute__
+
+
+def _bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if kwargs and signature is not None:
+        bound = signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
+    return args, kwargs
+
+
+def _call(self: FilterJit, args: tuple, kwargs: dict) -> Any:
+    if _get(self, "audit"):
+        with no_implicit_transfers(self.arguments(*args, **kwargs)):
+            return _dispatch(self, args, kwargs)
+    return _dispatch(self, args, kwargs)
+
+
+def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
+    args, kwargs = _bind(_get(self, "signature"), args, kwargs)
+    tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    dynamic, statics, mask, types = [], [], [], []
+    for leaf in leaves:
+        if isinstance(leaf, ARRAY_TYPES):
+            if isinstance(leaf, Tracer):
+                return self._inline(args, kwargs)
+            dynamic.append(leaf)
+            mask.append(True)
+            types.append((leaf.shape, leaf.dtype))
+        else:
+            statics.append(leaf)
+            mask.append(False)
+    key = (treedef, tuple(mask), tuple(statics), tuple(types))
+    entries = _get(self, "cache").entries
+    try:
+        entry = entries.get(key)
+    except TypeError as e:
+        raise TypeError(
+            f"ox.filter_jit({_describe(_get(self, 'fn'))}): a non-array argument is not "
+            f"hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
+            "they must be hashable: pass arrays for values that change, or make the object "
+            "hashable."
+        ) from None
+    if entry is None:
+        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        dynamic = _move(dynamic, entry.in_shardings)
+    if entry.donate_argnums and len(set(map(id, dynamic))) < len(dynamic):
+        self._check_distinct(entry, dynamic)
+    try:
+        out = entry.jitted(*dynamic)
+    except jax.errors.JaxRuntimeError as error:
+        # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused an
+        # argument's upload: say which leaf, which only this call knows.
+        message = explain(error, self.arguments(*args, **kwargs))
+        if message is None:
+            raise
+        raise ImplicitTransferError(message) from None
+    except ValueError as e:
+        if not is_placement_mismatch(e):
+            raise
+        # Arguments not yet where the plan puts them (a new strategy on a model placed for
+        # another): move them once, explicitly; the outputs come back in planned memory,
+        # so the next call moves nothing. Under audit, a cached step that keeps receiving
+        # misplaced arguments is an error: it would copy them on every call.
+        if _get(self, "audit"):
+            _raise_misplaced(entry, dynamic)
+        out = entry.jitted(*_move(dynamic, entry.in_shardings))
+    return entry.rebuild(out)
 
 def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:
     """The paths and values of the static leaves that differ between two cache keys."""
