@@ -11,14 +11,16 @@ The modules form layers; each imports only from the layers above it (checked by
    `_plan` (every placement rule: memory, sharding, mirrored optimizer state, donation,
    outputs <-> arguments, the name checks).
 4. tracing: `_trace_state` (the one trace state), `_regions` (ox.scan, ox.checkpoint,
-   ox.name), `_annotate`, `_place` (ox.place, ox.shard), `_guard` (implicit transfers at
-   run time), `_host_use`, `_compile` (one compiled entry), `_jit` (ox.filter_jit).
+   ox.name), `_annotate`, `_own_regions` (modules with host fields bring a region),
+   `_place` (ox.place, ox.shard), `_guard` (implicit transfers at run time), `_host_use`,
+   `_compile` (one compiled entry), `_jit` (ox.filter_jit).
 5. optimizer: `_optimizer_state`, `_optimizer_checks`, `_optimizer_stream`, `_optimizer`
    (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
 6. inspection: `_primitives`, `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit),
    `_targets`, `_deviceless`, `_memory_report` (ox.memory_report).
 """
 
+from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
 from ._activations import Activations as Activations, activations as activations
 from ._annotate import annotate as annotate
 from ._audit import audit as audit

@@ -22,6 +22,8 @@ from ._regions import checkpoint
 from ._trace_state import inside_region
 
 _SUBCLASSES: dict[tuple, type] = {}
+# Set on the classes whose `__call__` brings its own region.
+REGION_ATTRIBUTE = "__offload_eqx_region__"
 
 
 class _Marker:
@@ -33,7 +35,7 @@ class _Marker:
         self.value = value
 
 
-class _Call(eqx.Module):
+class Call(eqx.Module):
     """`method(module, ...)`: the original `__call__` of an annotated module, as a module
     whose arrays a region sees (and fetches)."""
 
@@ -51,7 +53,7 @@ def _with_region(call: Any) -> Any:
     def __call__(self, *args, **kwargs):
         if inside_region():
             return call(self, *args, **kwargs)
-        return checkpoint(_Call(self, call), *args, **kwargs)
+        return checkpoint(Call(self, call), *args, **kwargs)
 
     return __call__
 
@@ -91,13 +93,31 @@ def _annotated_class(
         namespace[ANNOTATION_ATTRIBUTE] = Activations(**merged)
     if region and fields and callable(getattr(cls, "__call__", None)):
         namespace["__call__"] = _with_region(cls.__call__)
+        namespace[REGION_ATTRIBUTE] = True
     subclass = type(cls.__name__, (cls,), namespace)
     subclass.__qualname__ = cls.__qualname__
     _SUBCLASSES[key] = subclass
     return subclass
 
 
-def _copy_as(module: eqx.Module, cls: type) -> eqx.Module:
+def region_class(cls: type) -> type:
+    """A subclass of `cls` (cached) whose `__call__` runs in a region; nothing else changes."""
+    try:
+        return _SUBCLASSES[(cls, "region")]
+    except KeyError:
+        pass
+    namespace = {
+        "__module__": cls.__module__,
+        "__call__": _with_region(cls.__call__),
+        REGION_ATTRIBUTE: True,
+    }
+    subclass = type(cls.__name__, (cls,), namespace)
+    subclass.__qualname__ = cls.__qualname__
+    _SUBCLASSES[(cls, "region")] = subclass
+    return subclass
+
+
+def copy_as(module: eqx.Module, cls: type) -> eqx.Module:
     new = object.__new__(cls)
     for f in dataclasses.fields(module):
         try:
@@ -182,7 +202,7 @@ def annotate(
                 if placement
                 else frozenset()
             )
-            return _copy_as(inner, _annotated_class(type(inner), fields, activations, region))
+            return copy_as(inner, _annotated_class(type(inner), fields, activations, region))
         if isinstance(node, eqx.Module):
             overrides = []
             values = {}

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
 from jax.core import Tracer
 
 from ._compile import Compilation, compile_entry
@@ -195,7 +196,7 @@ class FilterJit(eqx.Module):
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
         dynamic = [x for x, m in zip(leaves, mask) if m]
         statics = tuple(x for x, m in zip(leaves, mask) if not m)
-        key = (treedef, mask, statics, tuple((x.shape, x.dtype) for x in dynamic))
+        key = (treedef, mask, statics, tuple(a for x in dynamic for a in (x.shape, x.dtype)))
         entry = self.cache.entries.get(key)
         if entry is None:
             entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
@@ -216,12 +217,14 @@ class FilterJit(eqx.Module):
         return self.trace(*args, **kwargs).lower()
 
 
-
 # The per-call path reads the wrapper's fields with `object.__getattribute__` and calls
 # module-level functions: an `eqx.Module` builds a bound-method module for every method
 # looked up on an instance and checks every attribute read in Python, which would cost
 # more than the rest of the call.
 _get = object.__getattribute__
+# The concrete type of every `jax.Array` made by computation: checked first, by identity,
+# because `isinstance` against the `jax.Array` ABC costs more than the rest of a leaf.
+_ARRAY_IMPL = ArrayImpl
 
 
 def _bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -244,12 +247,15 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dynamic, statics, mask, types = [], [], [], []
     for leaf in leaves:
-        if isinstance(leaf, ARRAY_TYPES):
-            if isinstance(leaf, Tracer):
-                return self._inline(args, kwargs)
+        if type(leaf) is _ARRAY_IMPL or (
+            isinstance(leaf, ARRAY_TYPES) and not isinstance(leaf, Tracer)
+        ):
             dynamic.append(leaf)
             mask.append(True)
-            types.append((leaf.shape, leaf.dtype))
+            types.append(leaf.shape)
+            types.append(leaf.dtype)
+        elif isinstance(leaf, Tracer):
+            return self._inline(args, kwargs)
         else:
             statics.append(leaf)
             mask.append(False)
@@ -289,6 +295,7 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
             _raise_misplaced(entry, dynamic)
         out = entry.jitted(*_move(dynamic, entry.in_shardings))
     return entry.rebuild(out)
+
 
 def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:
     """The paths and values of the static leaves that differ between two cache keys."""

@@ -44,6 +44,13 @@ _NOT_A_TRANSFORMATION = (
 )
 
 
+def _as_transformation(value: Any) -> Any:
+    make = getattr(value, "gradient_transformation", None)
+    if not isinstance(value, optax.GradientTransformation) and callable(make):
+        return make()
+    return value
+
+
 def _check_transformation(value: object, *, where: str) -> None:
     if isinstance(value, optax.GradientTransformation):
         return
@@ -123,8 +130,9 @@ def offload_optimizer(
     **Arguments:**
 
     - `tx`: an `optax.GradientTransformation` (`optax.adam(1e-3)`, `chain`, `adamw`,
-        `inject_hyperparams`, `multi_transform`, ...). With a stream it must treat each
-        parameter on its own (`adam`, `adamw`, `sgd`, `lion`, ...), which `init` checks.
+        `inject_hyperparams`, `multi_transform`, ...) or an `optax.MultiSteps`. With a
+        stream it must treat each parameter on its own (`adam`, `adamw`, `sgd`, `lion`,
+        ...), which `init` checks.
     - `stream`: how the update fetches the state.
         - `None` (default): the whole state at once, for `optax.chain(global_transform,
           tx)`; XLA schedules the copies (the whole state is on the device together).
@@ -152,6 +160,10 @@ def offload_optimizer(
     `ox.update_and_apply(opt, grads, state, params)` to apply the updates inside the
     streamed loop, so host-resident parameters are never fetched whole either.
     """
+    # `optax.MultiSteps` (and the like) is a wrapper object whose transformation is built
+    # by `.gradient_transformation()`; users pass the object itself.
+    tx = _as_transformation(tx)
+    global_transform = _as_transformation(global_transform)
     _check_options(tx, stream, global_transform, layers, memory, check)
     if stream is None:
         inner = tx if global_transform is None else optax.chain(global_transform, tx)

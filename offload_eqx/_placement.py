@@ -78,7 +78,25 @@ def field(
         )
     metadata = dict(kwargs.pop("metadata", {}))
     metadata[METADATA_KEY] = Placement(memory=cast(Memory, memory), spec=spec)
-    return eqx.field(metadata=metadata, **kwargs)
+    declared = eqx.field(metadata=metadata, **kwargs)
+    declared.__class__ = _Field
+    return declared
+
+
+# Called with each class that declares a field with `ox.field`, when the class is made:
+# the tracing layer registers here what such a class needs (a region for its `__call__`).
+ON_DECLARING_CLASS: list = []
+
+
+class _Field(dataclasses.Field):
+    """A dataclass field that tells `ON_DECLARING_CLASS` which class declares it."""
+
+    __slots__ = ()
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        super().__set_name__(owner, name)
+        for hook in ON_DECLARING_CLASS:
+            hook(owner)
 
 
 def field_placement(f: dataclasses.Field) -> Placement | None:

@@ -270,3 +270,29 @@ def test_a_name_the_backward_pass_never_reads_is_refused_alike_by_jit_and_audit(
         ox.audit(ox.filter_jit(grad), model, x)
     # Without a backward pass nothing is saved anyway: a forward step is fine.
     assert ox.filter_jit(lambda m, x: m(x))(model, x).shape == (2, 4)
+
+
+@pytest.mark.parametrize("strategy", ["annotated", "baseline", "offload_params", "hybrid"])
+def test_a_module_using_its_own_host_field_brings_its_own_region(strategy):
+    class Dense(eqx.Module):
+        w: jax.Array = ox.field(memory="pinned_host")
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w)
+
+    class Outer(eqx.Module):
+        dense: Dense
+        bias: jax.Array
+
+        def __call__(self, x):
+            return self.dense(x) + self.bias
+
+    model = Outer(Dense(jnp.eye(4) * 0.5), jnp.ones(4))
+    loss = eqx.filter_value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))
+    value, grads = ox.filter_jit(loss, strategy=strategy)(ox.place(model, strategy), jnp.ones(4))
+    expected, expected_grads = eqx.filter_jit(loss)(model, jnp.ones(4))
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    np.testing.assert_allclose(grads.dense.w, expected_grads.dense.w, rtol=1e-6)
+    assert type(grads.dense) is Dense  # the class is the user's, not a subclass
+    host = strategy != "baseline"
+    assert grads.dense.w.sharding.memory_kind == ("pinned_host" if host else "device")

@@ -1,0 +1,54 @@
+"""Modules whose own `__call__` uses their host-resident fields bring their own region.
+
+A module that declares `w: jax.Array = ox.field(memory="pinned_host")` and computes with
+`self.w` in its `__call__` cannot run outside a region: the weight must be fetched inside
+one. So every class that declares a field with `ox.field` has its `__call__` wrapped
+when the class is made: when the module holds host-resident arrays under such fields and
+no region encloses the call, the call runs in `ox.checkpoint` (as `ox.annotate` does for
+modules you cannot edit). A module whose fields are all on the device is called as it
+was written, so device placements compile exactly as before.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._annotate import REGION_ATTRIBUTE, Call
+from ._memory_space import is_host_typed
+from ._placement import ON_DECLARING_CLASS, field_placement
+from ._regions import checkpoint
+from ._trace_state import inside_region
+
+
+def owns_host_leaves(module: Any) -> bool:
+    """Whether a field the module declares with `ox.field` holds a host-typed array."""
+    for f in dataclasses.fields(module):
+        if field_placement(f) is None:
+            continue
+        value = getattr(module, f.name, None)
+        if any(is_host_typed(x) for x in jax.tree_util.tree_leaves(value)):
+            return True
+    return False
+
+
+def _bring_region(owner: type) -> None:
+    call = owner.__dict__.get("__call__")
+    if call is None or getattr(owner, REGION_ATTRIBUTE, False) or not callable(call):
+        return
+    if not issubclass(owner, eqx.Module):
+        return
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        if inside_region() or not owns_host_leaves(self):
+            return call(self, *args, **kwargs)
+        return checkpoint(Call(self, call), *args, **kwargs)
+
+    owner.__call__ = __call__
+    setattr(owner, REGION_ATTRIBUTE, True)
+
+
+ON_DECLARING_CLASS.append(_bring_region)
