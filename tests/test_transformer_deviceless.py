@@ -1,6 +1,6 @@
 """A 7B-class decoder's full training step, compiled for an H100 without the hardware.
 
-The model is the one in `experiments/transformer_offload.py` (32 scanned layers, d 4096,
+The model is the one in `experiments/_decoder.py` (32 scanned layers, d 4096,
 ffn 14336, seq 2048, bf16, AdamW through `ox.offload_optimizer`), built from
 `jax.ShapeDtypeStruct`s only. The assertions pin what the measurements showed: recomputing
 shrinks device memory by tens of GB, offloading q/k/v saves a little more and puts exactly
@@ -33,9 +33,8 @@ def reports():
     assert os.environ.get("JAX_PLATFORMS") == "cpu", "deviceless compiles need JAX_PLATFORMS=cpu"
     experiment = _experiment()
     config = experiment.CONFIGS["8B"]
-    state = experiment.abstract_state(config)
     measured = {
-        name: experiment.measure(config, "h100", name, 1, state)
+        name: experiment.measure(config, "h100", name, 1)
         for name in ("no_remat", "full_remat", "qkv_offload", "hybrid", "hybrid_whole_state")
     }
     return experiment, config, measured
