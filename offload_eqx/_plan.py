@@ -234,6 +234,11 @@ class Plan:
         return current.with_memory_kind(memory)
 
     @property
+    def offloads_activations(self) -> bool:
+        """True when the remat policy offloads some named activation."""
+        return "offload" in self.activations.values()
+
+    @property
     def saves_everything(self) -> bool:
         """True when the activation mode keeps every residual (no rematerialisation)."""
         return self.strategy.activations == "save"

@@ -223,14 +223,42 @@ def scan(
     out_names: list = []
     carry_names = _carry_names(dynamic, static, carry, args, kwargs, plan)
 
-    def step(carry, layer_dynamic):
-        layer = eqx.combine(layer_dynamic, static)
-        region = _region(plan, has_host, False, out_names)
-        return region(layer, (carry, *args), kwargs, carry_names), None
+    def run(carry, dynamic, args, kwargs):
+        def step(carry, layer_dynamic):
+            layer = eqx.combine(layer_dynamic, static)
+            region = _region(plan, has_host, False, out_names)
+            return region(layer, (carry, *args), kwargs, carry_names), None
 
-    carry, _ = jax.lax.scan(step, carry, dynamic, unroll=unroll)
+        return jax.lax.scan(step, carry, dynamic, unroll=unroll)[0]
+
+    if plan.offloads_activations and _explicit_mesh(carry):
+        # XLA cannot compile an offloaded residual that the partitioner reshards under
+        # Explicit axes (tests/test_explicit_axes.py); traced under Auto axes it compiles
+        # exactly as on an Auto mesh. Every array the layers read goes through
+        # `auto_axes` as an argument (an Explicit-typed closure fails in an Auto context).
+        arrays, others = eqx.partition((args, kwargs), eqx.is_array)
+
+        def run_auto(carry, dynamic, arrays):
+            call_args, call_kwargs = eqx.combine(arrays, others)
+            return run(carry, dynamic, call_args, call_kwargs)
+
+        out_sharding = jax.tree_util.tree_map(lambda c: jax.typeof(c).sharding, carry)
+        auto = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)
+        carry = auto(carry, dynamic, arrays)
+    else:
+        carry = run(carry, dynamic, args, kwargs)
     _note_outputs(carry, out_names)
     return carry
+
+
+def _explicit_mesh(tree: Any) -> bool:
+    """Whether a leaf's type is sharded over a mesh with Explicit axes (read from the
+    type: a compile for a target may have no context mesh)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.explicit_axes:
+            return True
+    return False
 
 
 def _carry_names(dynamic, static, carry, args, kwargs, plan: Plan) -> list:
