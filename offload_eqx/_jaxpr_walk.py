@@ -143,10 +143,14 @@ class _Walker:
                     and any(_is_var(v) and _is_host(v.aval) for v in eqn.invars)
                 ):
                     self._host_arithmetic(eqn, env, where)
-                source = next((env[v] for v in eqn.invars if _is_var(v) and v in env), None)
-                if source is not None:
+                var = next((v for v in eqn.invars if _is_var(v) and v in env), None)
+                if var is not None:
+                    source = env[var]
                     for out in eqn.outvars:
-                        env[out] = source
+                        # A part of a fetched leaf (a gathered embedding row, a slice) is
+                        # not the leaf's device copy: keeping it is not keeping the leaf.
+                        whole = _nbytes(out.aval) >= _nbytes(var.aval)
+                        env[out] = source if whole else dataclasses.replace(source, fetched_in=None)
             elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 before = self.saw_backward
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)

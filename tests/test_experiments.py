@@ -78,3 +78,21 @@ def test_batch_search_with_a_small_budget_says_at_least(experiments):
     assert result["max_batch"] == 2 and not result["exact"]
     assert result["predicted"] == 30  # the line through batch 1 and 2
     assert probed == [1, 2]
+
+
+def test_the_audit_of_every_decoder_step_raises_nothing(experiments):
+    """Zero false alarms on our own code: the experiment's step under each of its
+    strategies (the layer-streamed optimizer's slices of host arrays included)."""
+    import offload_eqx as ox
+
+    decoder, _ = experiments
+    config = decoder.CONFIGS["tiny"]
+    tokens = jax.random.randint(jax.random.key(1), (2, config.seq + 1), 0, config.vocab)
+    for name, strategy in decoder.STRATEGIES.items():
+        optimizer = decoder.optimizer_for(name, config)
+        model = ox.place(decoder.make_decoder(config, jax.random.key(0)), strategy)
+        opt_state = ox.place(optimizer.init(model), strategy)
+        step = decoder.make_step(optimizer, strategy)
+        report = ox.audit(step, model, opt_state, tokens)
+        report.assert_no_implicit()
+        assert not report.violations, (name, report.violations)
