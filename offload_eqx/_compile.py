@@ -57,6 +57,8 @@ def make_flat(
     """The function of the array leaves: rebuild the arguments, call under `plan`."""
 
     def flat(*dynamic):
+        if tuple((tuple(x.shape), x.dtype) for x in dynamic) != plan.types:
+            raise NewArgumentTypes()
         dynamic_iter, static_iter = iter(dynamic), iter(statics)
         leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
         with tracing(plan, dynamic) as state:
@@ -75,6 +77,11 @@ def make_flat(
     return flat
 
 
+class NewArgumentTypes(Exception):
+    """A compiled entry's program is traced again for other shapes or dtypes than its
+    plan's: `ox.filter_jit` compiles (and validates) a new entry for them."""
+
+
 @dataclasses.dataclass
 class Compilation:
     """What `ox.filter_jit` compiles for one cache entry: a flat function of the array
@@ -91,6 +98,11 @@ class Compilation:
     # [out_treedef, out_static, out_mask], written by each trace of the function.
     out_cell: list
     remake: Callable[[Plan], Callable[..., list]]  # `flat` under another plan
+
+    @property
+    def types(self) -> tuple:
+        """The shapes and dtypes of the arguments this entry was compiled for."""
+        return self.plan.types
 
     def abstract(self, dynamic: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
         """Abstract arguments typed by their planned memory."""

@@ -16,7 +16,7 @@ import jax
 from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
 from jax.core import Tracer
 
-from ._compile import Compilation, compile_entry
+from ._compile import Compilation, NewArgumentTypes, compile_entry
 from ._errors import ImplicitTransferError, is_placement_mismatch
 from ._guard import explain, no_implicit_transfers
 from ._mesh import check_mesh, put, same_place
@@ -140,7 +140,7 @@ class FilterJit(eqx.Module):
 
     def _compile_new(self, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Compilation:
         name = _describe(self.fn)
-        similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1]]
+        similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1] and k != key]
         if similar:
             roots = self.arguments(*args, **kwargs)
             changed = _changed_statics(roots, similar[-1][2], key[2])
@@ -172,8 +172,21 @@ class FilterJit(eqx.Module):
             keep_root,
             f"ox.filter_jit({name})",
         )
-        self.cache.entries[key] = entry
+        entries = self.cache.entries
+        held = entries.get(key)
+        if held is None:
+            entries[key] = entry
+        else:  # another shape under the same key: hold every entry by its types
+            by_types = held if type(held) is dict else {held.types: held}
+            by_types[entry.types] = entry
+            entries[key] = by_types
         return entry
+
+    @property
+    def compilations(self) -> int:
+        """How many programs this wrapper has compiled (one per static part and shapes)."""
+        entries = self.cache.entries.values()
+        return sum(len(e) if type(e) is dict else 1 for e in entries)
 
     def _check_distinct(self, entry: Compilation, dynamic: list) -> None:
         seen: dict[int, int] = {}
@@ -196,8 +209,12 @@ class FilterJit(eqx.Module):
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
         dynamic = [x for x, m in zip(leaves, mask) if m]
         statics = tuple(x for x, m in zip(leaves, mask) if not m)
-        key = (treedef, mask, statics, tuple(a for x in dynamic for a in (x.shape, x.dtype)))
+        key = (treedef, mask, statics)
         entry = self.cache.entries.get(key)
+        if type(entry) is dict:
+            entry = entry.get(_types(dynamic))
+        elif entry is not None and entry.types != _types(dynamic):
+            entry = None
         if entry is None:
             entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
         return entry, dynamic
@@ -245,21 +262,23 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
     args, kwargs = _bind(_get(self, "signature"), args, kwargs)
     tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic, statics, mask, types = [], [], [], []
+    dynamic, statics, mask = [], [], []
     for leaf in leaves:
         if type(leaf) is _ARRAY_IMPL or (
             isinstance(leaf, ARRAY_TYPES) and not isinstance(leaf, Tracer)
         ):
             dynamic.append(leaf)
             mask.append(True)
-            types.append(leaf.shape)
-            types.append(leaf.dtype)
         elif isinstance(leaf, Tracer):
             return self._inline(args, kwargs)
         else:
             statics.append(leaf)
             mask.append(False)
-    key = (treedef, tuple(mask), tuple(statics), tuple(types))
+    # The key leaves out shapes and dtypes (reading them costs more than the lookup):
+    # a call with new ones makes the entry's program retrace, which refuses them
+    # (`NewArgumentTypes`), or jit refuses them; then an entry is compiled for them and
+    # the key holds its entries by shapes and dtypes.
+    key = (treedef, tuple(mask), tuple(statics))
     entries = _get(self, "cache").entries
     try:
         entry = entries.get(key)
@@ -270,6 +289,8 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
             "they must be hashable: pass arrays for values that change, or make the object "
             "hashable."
         ) from None
+    if type(entry) is dict:  # several shapes seen under this key
+        entry = entry.get(_types(dynamic))
     if entry is None:
         entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
         dynamic = _move(dynamic, entry.in_shardings)
@@ -277,6 +298,9 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
         self._check_distinct(entry, dynamic)
     try:
         out = entry.jitted(*dynamic)
+    except NewArgumentTypes:
+        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        out = entry.jitted(*_move(dynamic, entry.in_shardings))
     except jax.errors.JaxRuntimeError as error:
         # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused an
         # argument's upload: say which leaf, which only this call knows.
@@ -285,6 +309,9 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
             raise
         raise ImplicitTransferError(message) from None
     except ValueError as e:
+        if entry.types != _types(dynamic):  # refused by jit before any retrace
+            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+            return entry.rebuild(entry.jitted(*_move(dynamic, entry.in_shardings)))
         if not is_placement_mismatch(e):
             raise
         # Arguments not yet where the plan puts them (a new strategy on a model placed for
@@ -295,6 +322,10 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
             _raise_misplaced(entry, dynamic)
         out = entry.jitted(*_move(dynamic, entry.in_shardings))
     return entry.rebuild(out)
+
+
+def _types(dynamic: list) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) for x in dynamic)
 
 
 def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:

@@ -184,6 +184,7 @@ class Plan:
             for e, s in zip(entries, shardings)
         )
 
+        self.types = tuple((leaf.shape, leaf.dtype) for leaf in self.leaves)
         self.declared_activations: dict[str, tuple[Policy, str]] = {}
         for name, policy, module_path in found.names:
             if name in self.declared_activations:

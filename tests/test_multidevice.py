@@ -352,6 +352,18 @@ def test_spec_that_does_not_divide_the_array_is_an_error():
 
 
 @on_eight_devices
+def test_a_later_call_with_a_shape_the_spec_cannot_divide_gets_the_same_clear_error():
+    class Data(eqx.Module):
+        x: jax.Array = ox.field(memory="device", spec=P("fsdp"))
+
+    step = ox.filter_jit(lambda d: d.x * 2, mesh=_mesh())
+    step(Data(jnp.ones(8)))  # divides over the 4 devices of "fsdp"
+    for _ in range(2):  # a later call, then a cached one: both validated
+        with pytest.raises(ValueError, match=r"`d.x` of shape \(6,\) .*over 4 devices"):
+            step(Data(jnp.ones(6)))
+
+
+@on_eight_devices
 def test_arrays_from_two_meshes_is_an_error():
     model = ox.place(make_model(jax.random.key(0)), mesh=_mesh())
     other = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
