@@ -239,9 +239,16 @@ class FilterJit(eqx.Module):
 # looked up on an instance and checks every attribute read in Python, which would cost
 # more than the rest of the call.
 _get = object.__getattribute__
-# The concrete type of every `jax.Array` made by computation: checked first, by identity,
-# because `isinstance` against the `jax.Array` ABC costs more than the rest of a leaf.
-_ARRAY_IMPL = ArrayImpl
+# What each type of leaf is, found once per type: `isinstance` against the `jax.Array`
+# ABC costs more per leaf than the rest of the loop.
+_ARRAY, _STATIC, _TRACER = "array", "static", "tracer"
+_KINDS: dict[type, str] = {ArrayImpl: _ARRAY}
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, Tracer):
+        return _TRACER
+    return _ARRAY if isinstance(leaf, ARRAY_TYPES) else _STATIC
 
 
 def _bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -264,16 +271,17 @@ def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dynamic, statics, mask = [], [], []
     for leaf in leaves:
-        if type(leaf) is _ARRAY_IMPL or (
-            isinstance(leaf, ARRAY_TYPES) and not isinstance(leaf, Tracer)
-        ):
+        kind = _KINDS.get(type(leaf))
+        if kind is None:
+            kind = _KINDS.setdefault(type(leaf), _kind(leaf))
+        if kind is _ARRAY:
             dynamic.append(leaf)
             mask.append(True)
-        elif isinstance(leaf, Tracer):
-            return self._inline(args, kwargs)
-        else:
+        elif kind is _STATIC:
             statics.append(leaf)
             mask.append(False)
+        else:
+            return self._inline(args, kwargs)
     # The key leaves out shapes and dtypes (reading them costs more than the lookup):
     # a call with new ones makes the entry's program retrace, which refuses them
     # (`NewArgumentTypes`), or jit refuses them; then an entry is compiled for them and
