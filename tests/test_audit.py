@@ -15,9 +15,7 @@ from jax.experimental import io_callback
 from jaxtyping import Array, Float
 
 import offload_eqx as ox
-import offload_eqx._audit as audit_module
-from offload_eqx._audit import ContractError, TransferReport, audit
-from offload_eqx._errors import HostUseError
+from offload_eqx import ContractError, HostUseError, TransferReport, audit
 
 MiB = 2**20
 S = jax.ShapeDtypeStruct
@@ -248,7 +246,7 @@ def test_arithmetic_on_host_typed_values_unless_asked_for():
 
     @ox.filter_jit
     def decay_on_host(model):
-        with audit_module.host_compute():
+        with ox.host_compute():
             return eqx.tree_at(lambda m: m.w, model, model.w * 0.5)
 
     assert audit(decay_on_host, dense()).transfers == []

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 import offload_eqx as ox
 import offload_eqx._guard as guard
-from offload_eqx._guard import ImplicitTransferError, no_implicit_transfers
+from offload_eqx import ImplicitTransferError, no_implicit_transfers
 
 
 class Layer(eqx.Module):
@@ -183,7 +183,7 @@ _TWO_DEVICES = textwrap.dedent(
     """
     import jax, jax.numpy as jnp
     import offload_eqx as ox
-    from offload_eqx._guard import ImplicitTransferError, no_implicit_transfers
+    from offload_eqx import ImplicitTransferError, no_implicit_transfers
 
     d0, d1 = jax.devices()
     w = jax.device_put(jnp.ones((4, 4)), d0)
