@@ -56,7 +56,8 @@ class _Cache:
     """The compilations of one wrapper (identity-hashed, so it can be a static field)."""
 
     def __init__(self):
-        self.entries: dict[Any, Compilation] = {}
+        # key -> its entry, or, once several shapes were seen, {shapes and dtypes: entry}
+        self.entries: dict[Any, Any] = {}
 
 
 def _signature(fn: Any) -> inspect.Signature | None:

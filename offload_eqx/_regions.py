@@ -243,7 +243,7 @@ def scan(
             return run(carry, dynamic, call_args, call_kwargs)
 
         out_sharding = jax.tree_util.tree_map(lambda c: jax.typeof(c).sharding, carry)
-        auto = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)
+        auto: Any = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)
         carry = auto(carry, dynamic, arrays)
     else:
         carry = run(carry, dynamic, args, kwargs)

@@ -20,8 +20,8 @@ EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 def experiments():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
-        import _batch_search
-        import _decoder
+        import _batch_search  # pyright: ignore[reportMissingImports]
+        import _decoder  # pyright: ignore[reportMissingImports]
     finally:
         sys.path.remove(str(EXPERIMENTS))
     return _decoder, _batch_search

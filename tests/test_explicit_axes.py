@@ -23,6 +23,7 @@ need neither 8 CPU devices nor a child process.
 """
 
 import os
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -74,9 +75,10 @@ def _loss(ws, x, *, auto_scan: bool):
     def run(ws, x):
         return jax.lax.scan(body, x, ws)[0]
 
+    scan: Any = run
     if auto_scan:  # the workaround: the scan traced under Auto axes
-        run = jax.sharding.auto_axes(run, out_sharding=jax.typeof(x).sharding)
-    return jnp.sum(run(ws, x))
+        scan = jax.sharding.auto_axes(run, out_sharding=jax.typeof(x).sharding)
+    return jnp.sum(scan(ws, x))
 
 
 def _compile_plain(target: str, axis_type: AxisType, *, auto_scan: bool = False):
@@ -116,6 +118,7 @@ def test_xla_compiles_offload_in_a_scan_under_explicit_axes(target):
 def test_the_scan_under_auto_axes_compiles_as_auto_does(target):
     auto = _compile_plain(target, AxisType.Auto).memory_analysis()
     rewritten = _compile_plain(target, AxisType.Explicit, auto_scan=True).memory_analysis()
+    assert auto is not None and rewritten is not None
     # The input of every layer is on the host, exactly as much as under Auto axes.
     assert rewritten.host_temp_size_in_bytes == auto.host_temp_size_in_bytes > 0
     assert rewritten.argument_size_in_bytes == auto.argument_size_in_bytes
