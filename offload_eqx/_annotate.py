@@ -100,23 +100,6 @@ def _annotated_class(
     return subclass
 
 
-def region_class(cls: type) -> type:
-    """A subclass of `cls` (cached) whose `__call__` runs in a region; nothing else changes."""
-    try:
-        return _SUBCLASSES[(cls, "region")]
-    except KeyError:
-        pass
-    namespace = {
-        "__module__": cls.__module__,
-        "__call__": _with_region(cls.__call__),
-        REGION_ATTRIBUTE: True,
-    }
-    subclass = type(cls.__name__, (cls,), namespace)
-    subclass.__qualname__ = cls.__qualname__
-    _SUBCLASSES[(cls, "region")] = subclass
-    return subclass
-
-
 def copy_as(module: eqx.Module, cls: type) -> eqx.Module:
     new = object.__new__(cls)
     for f in dataclasses.fields(module):

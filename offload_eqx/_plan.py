@@ -244,9 +244,6 @@ class Plan:
         """True when the activation mode keeps every residual (no rematerialisation)."""
         return self.strategy.activations == "save"
 
-    def leaves_in(self, memory: Memory) -> tuple[LeafPlan, ...]:
-        return tuple(leaf for leaf in self.leaves if leaf.memory == memory)
-
     def tree_shardings(self, root: int | str = 0) -> Any:
         """A pytree like argument `root` holding each array leaf's planned sharding
         (None at every other leaf)."""
