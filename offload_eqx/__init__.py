@@ -18,6 +18,7 @@ The modules form layers; each imports only from the layers above it (checked by
    (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
 6. inspection: `_primitives`, `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit),
    `_targets`, `_deviceless`, `_memory_report` (ox.memory_report).
+   `_flops` (the work of a traced step per phase: flops, bytes, roofline seconds).
 """
 
 from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
