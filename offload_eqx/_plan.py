@@ -202,7 +202,7 @@ class Plan:
                 continue
             self.declared_activations[name] = (policy, module_path)
         self.activations: dict[str, Policy] = {
-            name: effective_policy(policy, strategy)
+            name: effective_policy(name, policy, strategy)
             for name, (policy, _) in self.declared_activations.items()
         }
         self.policy: Callable[..., Any] = remat_policy(self.activations, strategy)
@@ -359,6 +359,8 @@ class Plan:
             inside_regions,
             outside_regions,
             regions,
+            self.strategy.name_policies,
+            self.strategy.name,
         )
 
     def check_offloads(self, jaxpr: Any) -> None:

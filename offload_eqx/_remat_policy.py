@@ -7,7 +7,7 @@ from the effective policies; the checks on what a trace produced live here too, 
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import jax.extend as jex
 from jax import checkpoint_policies
@@ -30,6 +30,12 @@ _OUTSIDE_REGIONS = (
 )
 
 
+_UNDECLARED_OVERRIDE = (
+    "Strategy {strategy!r} gives activation {name!r} a policy, but no module of this step "
+    "declares it (declared: {declared}), so the policy would apply to nothing. Fix the "
+    "spelling, or declare it with `ox.activations({name}=...)` on the module that calls "
+    "`ox.name(x, {name!r})`."
+)
 _NOTHING_TO_OFFLOAD = (
     "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
     "{strategy!r}, but the backward pass never reads it, so the program saves nothing of it "
@@ -40,9 +46,8 @@ _NOTHING_TO_OFFLOAD = (
 )
 
 
-def effective_policy(policy: Policy, strategy: Strategy) -> Policy:
-    mode = strategy.activations
-    return policy if mode == "annotated" else cast(Policy, mode)
+def effective_policy(name: str, policy: Policy, strategy: Strategy) -> Policy:
+    return strategy.policy_of(name, policy)
 
 
 def _is_fetch(prim: Any, params: dict) -> bool:
@@ -82,6 +87,8 @@ def check_names(
     inside_regions: set[str],
     outside_regions: set[str],
     regions: int,
+    overrides: Mapping[str, Policy] = {},
+    strategy_name: str = "",
 ) -> None:
     """After a trace: every declared name must be produced, inside a region unless the
     strategy keeps everything. A program that enters no region and produces no declared
@@ -89,6 +96,13 @@ def check_names(
     produced = inside_regions | outside_regions
     if regions == 0 and not produced & declared.keys():
         return
+    for name in overrides:
+        if name not in declared:
+            raise ValueError(
+                _UNDECLARED_OVERRIDE.format(
+                    strategy=strategy_name, name=name, declared=sorted(declared) or "none"
+                )
+            )
     for name, (policy, module) in declared.items():
         if name in inside_regions:
             continue

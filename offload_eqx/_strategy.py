@@ -1,7 +1,10 @@
 """Strategies: one argument that switches a whole model's placements and activation policy."""
 
 import dataclasses
-from typing import Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+from ._activations import Policy, check_policy
 
 LeafMode = Literal["annotated", "device", "pinned_host"]
 ActivationMode = Literal["annotated", "save", "remat", "offload"]
@@ -19,12 +22,20 @@ class Strategy:
         a region recomputed), `"save"` (no rematerialisation: everything is kept on the
         device), `"remat"` (every value in a region is recomputed), `"offload"` (every
         declared name offloaded, everything else in a region recomputed).
+    - `names`: per-name policies that override `activations` for those names:
+        `{"q": "offload", "k": "save"}`. The values that are not named follow
+        `activations` (kept under `"save"`, recomputed otherwise), so
+        `Strategy("s", activations="save", names={"q": "offload"})` keeps everything but
+        `q` on the device. Every name must be declared by some module (`ox.activations`),
+        or the step raises naming it. Stored as sorted `(name, policy)` pairs: a strategy
+        stays hashable.
     """
 
     name: str
     params: LeafMode = "annotated"
     optimizer: LeafMode = "annotated"
     activations: ActivationMode = "annotated"
+    names: Any = ()  # Mapping[str, Policy] or (name, policy) pairs; stored as sorted pairs
 
     def __post_init__(self):
         for attr, allowed in (
@@ -39,6 +50,31 @@ class Strategy:
                     + ", ".join(repr(a) for a in allowed)
                     + "."
                 )
+        names = self.names
+        if isinstance(names, Mapping):
+            names = tuple(names.items())
+        try:
+            pairs = tuple(sorted((str(n), p) for n, p in names))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Strategy {self.name!r} has names={self.names!r}; expected a mapping of "
+                "activation names to policies, e.g. `names={'q': 'offload', 'k': 'save'}`."
+            ) from None
+        for name, policy in pairs:
+            check_policy(name, policy, where=f"Strategy {self.name!r}")
+        object.__setattr__(self, "names", pairs)
+
+    @property
+    def name_policies(self) -> dict[str, Policy]:
+        """The per-name overrides as a dict."""
+        return dict(self.names)
+
+    def policy_of(self, name: str, declared: Policy) -> Policy:
+        """The policy this strategy gives activation `name`, declared `declared`."""
+        for other, policy in self.names:
+            if other == name:
+                return policy
+        return declared if self.activations == "annotated" else self.activations  # type: ignore[return-value]
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -66,5 +102,5 @@ def resolve_strategy(strategy: "str | Strategy | None") -> Strategy:
         allowed = ", ".join(repr(s) for s in STRATEGIES)
         raise ValueError(
             f"Unknown strategy {strategy!r}; expected one of {allowed}, or an "
-            "`ox.Strategy(name, params=..., optimizer=..., activations=...)`."
+            "`ox.Strategy(name, params=..., optimizer=..., activations=..., names=...)`."
         ) from None
