@@ -147,9 +147,12 @@ class _Walker:
                 if var is not None:
                     source = env[var]
                     for out in eqn.outvars:
-                        # A part of a fetched leaf (a gathered embedding row, a slice) is
-                        # not the leaf's device copy: keeping it is not keeping the leaf.
-                        whole = _nbytes(out.aval) >= _nbytes(var.aval)
+                        # Only a same-size view (a reshape, a cast, a transpose) is the
+                        # leaf's device copy; a part of it (a slice) or values gathered
+                        # from it (embedding rows, however many) are not.
+                        whole = prim != "gather" and np.prod(out.aval.shape) == np.prod(
+                            var.aval.shape
+                        )
                         env[out] = source if whole else dataclasses.replace(source, fetched_in=None)
             elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 before = self.saw_backward
