@@ -28,7 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, resolve_mesh
 from ._placement import MEMORIES
-from ._targets import Target, mesh_on_target, target_mesh, uses_abstract_mesh
+from ._target_devices import mesh_on_target, target_mesh, uses_abstract_mesh
+from ._targets import Target
 
 # The fields of XLA's `memory_analysis()`, each in device and in host memory.
 FIELDS = ("temp", "argument", "output", "alias", "generated_code")

@@ -18,15 +18,9 @@ A GPU target is described by an XLA `GpuTargetConfig` text proto shipped in
 """
 
 import dataclasses
-import functools
-import importlib
-import os
 import pathlib
 import re
 from typing import Literal
-
-import jax
-import numpy as np
 
 Platform = Literal["cpu", "cuda", "tpu"]
 
@@ -38,22 +32,38 @@ _EXTRAS: dict[str, tuple[str, str]] = {
     "tpu": ("libtpu", "tpu"),
 }
 
-_MISSING_EXTRA = (
-    "Target {target!r} compiles with XLA:{compiler} without the hardware, which needs the "
-    "optional extra {extra!r} (module `{module}` could not be imported: {error}). Install "
-    "it with `pip install 'offload_eqx[{extra}]'`, or choose a target that needs nothing "
-    "extra: 'cpu'."
-)
 _UNKNOWN_TARGET = (
     "Unknown target {target!r}; expected one of {known}. Targets are described in "
     "`offload_eqx._targets.TARGETS`; add your own with `register_target(Target(...))`."
 )
-_NO_PLATFORM = (
-    "Target {target!r} needs jax's platform {platform!r}, which could not create "
-    "compile-only devices: {error}. Set `JAX_PLATFORMS=cpu` before importing jax (the CUDA "
-    "plugin otherwise looks for a driver), and check that the extra {extra!r} matches this "
-    "jax version (`pip install 'offload_eqx[{extra}]'`)."
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """The rates `ox.estimate` prices a step with, per device (figures in the table below,
+    each with its source).
+
+    - `flops`: peak dense matrix-multiply rate of the device, FLOP/s (bf16).
+    - `efficiency`: the fraction of `flops` a training step's matmuls reach (an
+        assumption: the MFU that well-tuned LLM training reports on the chip).
+    - `memory_bandwidth`: device memory (HBM) bandwidth, bytes/s.
+    - `h2d_bandwidth`, `d2h_bandwidth`: the host link, host-to-device and
+        device-to-host, bytes/s (the two directions run at once).
+    - `host_flops`, `host_bandwidth`: the host CPU cores and memory bandwidth that serve
+        one device (the machine's figures divided by its devices), for host-side compute.
+    - `host_memory`: host memory per device, bytes (the machine's divided by its devices).
+    - `source`: where the figures come from, one line.
+    """
+
+    flops: float
+    efficiency: float
+    memory_bandwidth: float
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    host_flops: float
+    host_bandwidth: float
+    host_memory: int
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,9 @@ class Target:
     - `description`: one line for listings.
     - `capacity`: bytes of memory of one device (HBM), the published figure; memory
         reports say whether a program fits in it. None: unknown (this machine's CPU).
+    - `speeds`: the `Speeds` that `ox.estimate` prices a step with. None for this
+        machine's CPU, whose speeds are measured when first asked for (`ox.estimate(...,
+        target="cpu")` calibrates).
     """
 
     name: str
@@ -80,6 +93,7 @@ class Target:
     chips_per_host: tuple[int, ...] | None = None
     description: str = ""
     capacity: int | None = None
+    speeds: Speeds | None = None
 
     @property
     def deviceless(self) -> bool:
@@ -111,6 +125,84 @@ _V6E_HBM = 32 * 10**9
 _H100_HBM = _gpu_capacity("h100.txtpb")
 _A100_HBM = _gpu_capacity("a100.txtpb")
 
+_G = 1e9
+_T = 1e12
+# NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3 (NVIDIA H100 datasheet; the
+# 1,979 TFLOP/s there is with sparsity). Host link PCIe Gen5 x16 as NVIDIA's nvbandwidth
+# measures it: about 35 GB/s host-to-device, 53 GB/s device-to-host. Host: a DGX H100
+# (NVIDIA DGX H100 datasheet: 2 TB memory, 2x Xeon Platinum 8480C, 112 cores) shared by 8
+# GPUs: 14 cores at 2.0 GHz x 64 FP32 FLOP/cycle (2 AVX-512 FMA units) = 1.8 TFLOP/s, and
+# 2 sockets x 8 channels of DDR5-4800 (614 GB/s) / 8 = 77 GB/s. Efficiency: an assumption,
+# the ~50% MFU that tuned LLM training reports on H100s.
+_H100_SPEEDS = Speeds(
+    flops=989 * _T,
+    efficiency=0.5,
+    memory_bandwidth=3350 * _G,
+    h2d_bandwidth=35 * _G,
+    d2h_bandwidth=53 * _G,
+    host_flops=1.8 * _T,
+    host_bandwidth=77 * _G,
+    host_memory=2 * 10**12 // 8,
+    source="NVIDIA H100 SXM5 and DGX H100 datasheets; PCIe Gen5 x16 by nvbandwidth",
+)
+# NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (A100 datasheet). PCIe Gen4
+# x16: about 25 GB/s each way (half of Gen5). Host: a DGX A100 (2 TB, 2x EPYC 7742, 128
+# cores) shared by 8 GPUs: 16 cores x 2.25 GHz x 32 FP32 FLOP/cycle = 1.15 TFLOP/s; 2 x 8
+# channels of DDR4-3200 (410 GB/s) / 8 = 51 GB/s. Efficiency: assumed, as for the H100.
+_A100_SPEEDS = Speeds(
+    flops=312 * _T,
+    efficiency=0.5,
+    memory_bandwidth=2039 * _G,
+    h2d_bandwidth=25 * _G,
+    d2h_bandwidth=25 * _G,
+    host_flops=1.15 * _T,
+    host_bandwidth=51 * _G,
+    host_memory=2 * 10**12 // 8,
+    source="NVIDIA A100 and DGX A100 datasheets; PCIe Gen4 x16 assumed at 25 GB/s",
+)
+# TPU v5p: 459 TFLOP/s BF16, 2,765 GB/s HBM2e (cloud.google.com/tpu/docs/v5p). Its host
+# link is not published: assumed 32 GB/s each way (PCIe Gen4 x16 class). Host: a
+# ct5p-hightpu-4t VM (208 vCPUs, 448 GB, 4 chips): 26 cores x 2.0 GHz x 64 FP32 FLOP/cycle
+# = 3.3 TFLOP/s and 112 GB per chip; memory bandwidth 2 x 8 channels DDR5-4800 / 4 = 154
+# GB/s. Efficiency: assumed 0.55, the MFU MaxText reports for dense LLMs on v5p.
+_V5P_SPEEDS = Speeds(
+    flops=459 * _T,
+    efficiency=0.55,
+    memory_bandwidth=2765 * _G,
+    h2d_bandwidth=32 * _G,
+    d2h_bandwidth=32 * _G,
+    host_flops=3.3 * _T,
+    host_bandwidth=154 * _G,
+    host_memory=448 * 10**9 // 4,
+    source="Google Cloud TPU v5p page; ct5p-hightpu-4t VM; host link assumed",
+)
+# TPU v5e: 197 TFLOP/s BF16, 819 GB/s HBM2 (cloud.google.com/tpu/docs/v5e); host
+# ct5lp-hightpu-1t (24 vCPUs, 48 GB). v6e: 918 TFLOP/s BF16, 1,640 GB/s
+# (cloud.google.com/tpu/docs/v6e); host ct6e-standard-1t (44 vCPUs, 176 GB). Host links
+# not published: assumed 16 GB/s each way. Host FLOP/s: vCPUs/2 cores x 2.0 GHz x 64.
+_V5E_SPEEDS = Speeds(
+    flops=197 * _T,
+    efficiency=0.55,
+    memory_bandwidth=819 * _G,
+    h2d_bandwidth=16 * _G,
+    d2h_bandwidth=16 * _G,
+    host_flops=1.5 * _T,
+    host_bandwidth=50 * _G,
+    host_memory=48 * 10**9,
+    source="Google Cloud TPU v5e page; ct5lp-hightpu-1t VM; host link assumed",
+)
+_V6E_SPEEDS = Speeds(
+    flops=918 * _T,
+    efficiency=0.55,
+    memory_bandwidth=1640 * _G,
+    h2d_bandwidth=16 * _G,
+    d2h_bandwidth=16 * _G,
+    host_flops=2.8 * _T,
+    host_bandwidth=77 * _G,
+    host_memory=176 * 10**9,
+    source="Google Cloud TPU v6e page; ct6e-standard-1t VM; host link assumed",
+)
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -122,6 +214,7 @@ TARGETS: dict[str, Target] = {
             "h100.txtpb",
             description="one NVIDIA H100 80GB SXM",
             capacity=_H100_HBM,
+            speeds=_H100_SPEEDS,
         ),
         Target(
             "h100-8",
@@ -130,6 +223,7 @@ TARGETS: dict[str, Target] = {
             "h100.txtpb",
             description="8 NVIDIA H100 80GB, one host",
             capacity=_H100_HBM,
+            speeds=_H100_SPEEDS,
         ),
         Target(
             "a100",
@@ -138,6 +232,7 @@ TARGETS: dict[str, Target] = {
             "a100.txtpb",
             description="one NVIDIA A100 80GB SXM",
             capacity=_A100_HBM,
+            speeds=_A100_SPEEDS,
         ),
         Target(
             "tpu-v5p",
@@ -146,6 +241,7 @@ TARGETS: dict[str, Target] = {
             chips_per_host=(1, 1, 1),
             description="one TPU v5p",
             capacity=_V5P_HBM,
+            speeds=_V5P_SPEEDS,
         ),
         Target(
             "tpu-v5p-4",
@@ -153,6 +249,7 @@ TARGETS: dict[str, Target] = {
             "v5p:2x2x1",
             description="4 TPU v5p chips (one host)",
             capacity=_V5P_HBM,
+            speeds=_V5P_SPEEDS,
         ),
         Target(
             "tpu-v5e",
@@ -161,6 +258,7 @@ TARGETS: dict[str, Target] = {
             chips_per_host=(1, 1, 1),
             description="one TPU v5e",
             capacity=_V5E_HBM,
+            speeds=_V5E_SPEEDS,
         ),
         Target(
             "tpu-v6e",
@@ -169,6 +267,7 @@ TARGETS: dict[str, Target] = {
             chips_per_host=(1, 1, 1),
             description="one TPU v6e",
             capacity=_V6E_HBM,
+            speeds=_V6E_SPEEDS,
         ),
     )
 }
@@ -182,7 +281,6 @@ def register_target(target: Target) -> Target:
             "`Target('h100-2', 'cuda', '1x1x2', 'h100.txtpb')`."
         )
     TARGETS[target.name] = target
-    _devices.cache_clear()
     return target
 
 
@@ -195,157 +293,3 @@ def get_target(target: "str | Target") -> Target:
     except (KeyError, TypeError):
         known = ", ".join(repr(t) for t in TARGETS)
         raise ValueError(_UNKNOWN_TARGET.format(target=target, known=known)) from None
-
-
-def require_extra(target: Target) -> None:
-    """Raise a clear error when the optional extra that `target` needs is not installed."""
-    if target.platform not in _EXTRAS:
-        return
-    module, extra = _EXTRAS[target.platform]
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        compiler = "GPU" if target.platform == "cuda" else "TPU"
-        raise ImportError(
-            _MISSING_EXTRA.format(
-                target=target.name, compiler=compiler, extra=extra, module=module, error=e
-            )
-        ) from None
-
-
-def _config_text(target: Target) -> str:
-    path = pathlib.Path(target.config or f"{target.name}.txtpb")
-    if not path.is_absolute():
-        path = _TARGET_DIR / path
-    try:
-        return path.read_text()
-    except OSError as e:
-        raise FileNotFoundError(
-            f"Target {target.name!r} names the GPU description {str(path)!r}, which cannot "
-            f"be read ({e.strerror}). Ship a `GpuTargetConfig` text proto there (see "
-            "`offload_eqx/targets/h100.txtpb`), or pass an absolute path as `config`."
-        ) from None
-
-
-@functools.cache
-def _devices(target: Target) -> tuple:
-    if target.platform == "cpu":
-        return tuple(jax.devices("cpu"))
-    from jax.experimental import topologies
-
-    try:
-        if target.platform == "cuda":
-            topology = topologies.get_topology_desc(
-                platform="cuda", topology=target.topology, target_config=_config_text(target)
-            )
-        else:
-            # libtpu takes a machine-wide lock meant for processes that own the chips; a
-            # compile-only topology owns nothing, so several processes may compile at once.
-            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-            options = {}
-            if target.chips_per_host is not None:
-                options["chips_per_host_bounds"] = list(target.chips_per_host)
-            topology = topologies.get_topology_desc(
-                platform="tpu", topology_name=target.topology, **options
-            )
-    except (RuntimeError, ValueError) as e:
-        raise RuntimeError(
-            _NO_PLATFORM.format(
-                target=target.name,
-                platform=target.platform,
-                error=str(e).split("\n")[0],
-                extra=target.extra,
-            )
-        ) from None
-    return tuple(topology.devices)
-
-
-def target_devices(target: "str | Target") -> tuple:
-    """The (compile-only, for deviceless targets) devices of `target`."""
-    target = get_target(target)
-    require_extra(target)
-    return _devices(target)
-
-
-def target_mesh(
-    target: "str | Target",
-    axis_names: tuple[str, ...] = ("devices",),
-    shape: tuple[int, ...] | None = None,
-) -> jax.sharding.Mesh:
-    """A mesh over the devices of `target`: by default one device (`shape=(1,)`), or the
-    given shape (its product must not exceed the target's device count)."""
-    target = get_target(target)
-    devices = target_devices(target)
-    shape = shape if shape is not None else (1,) * len(axis_names)
-    count = int(np.prod(shape))
-    if count > len(devices):
-        raise ValueError(
-            f"A mesh of shape {shape} needs {count} devices, but target {target.name!r} has "
-            f"{len(devices)}. Choose a target with more devices (for example "
-            "'h100-8' or 'tpu-v5p-4'), or a smaller mesh."
-        )
-    return jax.sharding.Mesh(
-        np.array(devices[:count], dtype=object).reshape(shape),
-        axis_names,
-        axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names),
-    )
-
-
-def _describe_axes(mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh") -> str:
-    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
-
-
-def mesh_on_target(
-    target: "str | Target", mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh"
-) -> jax.sharding.Mesh:
-    """`mesh` rebuilt on the devices of `target`: the same axis names, sizes and types.
-
-    A deviceless target compiles one SPMD program for every one of its devices, so the
-    mesh must use all of them: a different device count is an error naming both shapes.
-    On the `"cpu"` target a concrete mesh is kept as it is (it is on this machine's devices).
-    """
-    target = get_target(target)
-    if target.platform == "cpu" and isinstance(mesh, jax.sharding.Mesh):
-        return mesh
-    devices = target_devices(target)
-    shape = tuple(mesh.shape.values())
-    count = int(np.prod(shape, dtype=np.int64))
-    if count != len(devices):
-        same = [repr(t.name) for t in TARGETS.values() if _declared_count(t) == count]
-        hint = f" (here: {', '.join(same)})" if same else ""
-        raise ValueError(
-            f"The arguments are on the mesh {_describe_axes(mesh)} (shape {shape}, {count} "
-            f"devices), but target {target.name!r} has {len(devices)} devices (topology "
-            f"{target.topology or 'this machine'!r}). A memory report compiles the program "
-            "once per device of the target, so the mesh must span all of them: choose a "
-            f"target with {count} devices{hint}, or build the mesh over {len(devices)} "
-            f"devices (for example shape {(1,) * (len(shape) - 1) + (len(devices),)})."
-        )
-    return jax.sharding.Mesh(
-        np.array(devices, dtype=object).reshape(shape),
-        tuple(mesh.axis_names),
-        axis_types=tuple(mesh.axis_types),
-    )
-
-
-def _declared_count(target: Target) -> int | None:
-    """The device count a target's topology names, without creating its devices."""
-    if target.platform == "cpu":
-        return None
-    if target.chips_per_host is not None:
-        return int(np.prod(target.chips_per_host))
-    dims = target.topology.rsplit(":", 1)[-1].split("x")
-    try:
-        return int(np.prod([int(d) for d in dims]))
-    except ValueError:
-        return None
-
-
-def uses_abstract_mesh(target: "str | Target") -> bool:
-    """Whether host-resident shardings must be built on the abstract mesh for `target`.
-
-    Compile-only GPU devices expose no memory spaces, so a `NamedSharding(...,
-    memory_kind="pinned_host")` on their concrete mesh silently becomes device memory;
-    built on `mesh.abstract_mesh` and compiled under `jax.set_mesh(mesh)` it stays host.
-    """
-    return get_target(target).platform == "cuda"
