@@ -17,8 +17,11 @@ The modules form layers; each imports only from the layers above it (checked by
 5. optimizer: `_optimizer_state`, `_optimizer_checks`, `_optimizer_stream`, `_optimizer`
    (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
 6. inspection: `_primitives`, `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit),
-   `_targets`, `_deviceless`, `_memory_report` (ox.memory_report).
-   `_flops` (the work of a traced step per phase: flops, bytes, roofline seconds).
+   `_targets` (targets and their speeds), `_target_devices`, `_deviceless`,
+   `_memory_report` (ox.memory_report).
+7. planning: `_flops` (the work of a traced step per phase), `_calibrate` (this machine's
+   speeds), `_estimate` (ox.estimate), `_fit_space`, `_fit_result`, `_fit` (ox.fit),
+   `_max_batch` (ox.max_batch).
 """
 
 from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
@@ -31,6 +34,9 @@ from ._errors import (
     ImplicitTransferError as ImplicitTransferError,
     Violation as Violation,
 )
+from ._estimate import StepEstimate as StepEstimate, estimate as estimate
+from ._fit import fit as fit
+from ._fit_result import Candidate as Candidate, FitResult as FitResult
 from ._guard import no_implicit_transfers as no_implicit_transfers
 from ._jaxpr_walk import host_compute as host_compute
 from ._jit import FilterJit as FilterJit, filter_jit as filter_jit
@@ -50,7 +56,12 @@ from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._regions import checkpoint as checkpoint, name as name, scan as scan
 from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
-from ._targets import TARGETS as TARGETS, Target as Target, register_target as register_target
+from ._targets import (
+    TARGETS as TARGETS,
+    Speeds as Speeds,
+    Target as Target,
+    register_target as register_target,
+)
 from ._transfer_report import Transfer as Transfer, TransferReport as TransferReport
 
 __version__ = "0.1.0"

@@ -82,6 +82,12 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
     output returned in another memory than its argument's plan, an argument on another
     device. The report is attached as `error.report` when the program could be traced.
     """
+    return audit_traced(fn, *args, **kwargs)[0]
+
+
+def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[TransferReport, Any]:
+    """`audit`, and the traced program it walked (a `jax.extend.core.Jaxpr`, dead code
+    removed): `ox.estimate` counts the work of the same program."""
     wrapper = fn if isinstance(fn, FilterJit) else filter_jit(fn)
     name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
     # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
@@ -128,7 +134,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
     _check_activations(plan, walker, transfers)
     _check_devices(labelled, walker)
     report = TransferReport(name, plan.strategy.name, transfers, walker.violations)
-    return report.check()
+    return report.check(), jaxpr
 
 
 def _argument_transfers(entry: Any, leaves: list) -> list[Transfer]:

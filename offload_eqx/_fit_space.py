@@ -1,0 +1,135 @@
+"""The plans `ox.fit` searches: one `ox.Strategy` per choice, and what a trace says of names.
+
+A candidate is
+- a base: `"save"` (every value of a region kept on the device) or `"remat"` (every value
+  not named recomputed);
+- a policy for each searchable activation name: under `"remat"` one of save, offload,
+  remat; under `"save"` save or offload (recomputing a named value whose producer is
+  saved recomputes nothing);
+- where managed parameters live, and where the optimizer state lives (device or
+  pinned_host), offered only when the step has such leaves.
+
+A name is not searchable when its value is a loop carry (the layer input of an `ox.scan`
+body): the scan keeps every iteration's carry for the backward pass whatever the policy,
+so offloading it would move bytes and free nothing, and saving or recomputing it changes
+nothing. `named_values` finds them on the traced program.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.extend as jex
+import numpy as np
+
+from ._activations import Policy
+from ._strategy import Strategy
+
+_CARRY = (
+    "Activation {name!r} is the carry of `{scan}` (the value each iteration passes to the "
+    "next), which the scan keeps for the backward pass whatever its policy: offloading it "
+    "would only add transfers, so it is left {policy!r} and not searched."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedValue:
+    """An activation name as the forward pass produces it."""
+
+    name: str
+    bytes: int  # per step: the value's size times the trip counts of its enclosing scans
+    carry: bool  # the carry of an enclosing scan
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, jex.core.Var)
+
+
+def named_values(jaxpr: Any) -> dict[str, NamedValue]:
+    """Each name the forward pass of `jaxpr` produces (recomputation excluded), with its
+    bytes per step and whether it is a scan's carry."""
+    found: dict[str, NamedValue] = {}
+
+    def walk(j: Any, carry: set, count: int) -> None:
+        for eqn in j.eqns:
+            prim = eqn.primitive.name
+            stack = str(eqn.source_info.name_stack)
+            if prim == "name" and "rematted_computation" not in stack and "transpose(" not in stack:
+                aval = eqn.outvars[0].aval
+                size = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize * count
+                var = eqn.invars[0]
+                name = eqn.params["name"]
+                previous = found.get(name)
+                found[name] = NamedValue(
+                    name,
+                    size + (previous.bytes if previous else 0),
+                    (_is_var(var) and var in carry) or bool(previous and previous.carry),
+                )
+            if prim == "scan":
+                body = eqn.params["jaxpr"].jaxpr
+                start = eqn.params["num_consts"]
+                inner = set(body.invars[start : start + eqn.params["num_carry"]])
+                walk(body, inner, count * eqn.params["length"])
+                continue
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                sub = getattr(sub, "jaxpr", sub)
+                aligned = len(sub.invars) == len(eqn.invars)
+                inner = (
+                    {b for a, b in zip(eqn.invars, sub.invars) if _is_var(a) and a in carry}
+                    if aligned
+                    else set()
+                )
+                walk(sub, inner, count)
+
+    walk(jaxpr, set(), 1)
+    return found
+
+
+def carry_note(name: str, policy: Policy) -> str:
+    return _CARRY.format(name=name, scan="ox.scan", policy=policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One candidate plan, before it is priced."""
+
+    base: str  # "save" or "remat"
+    names: tuple[tuple[str, Policy], ...]
+    params: str
+    optimizer: str
+
+    def strategy(self, fixed: Mapping[str, Policy]) -> Strategy:
+        """The `ox.Strategy` of this choice; `fixed` are the policies of names not
+        searched (loop carries), kept as they are."""
+        names = dict(fixed) | dict(self.names)
+        return Strategy(
+            self.label,
+            params=self.params,  # type: ignore[arg-type]
+            optimizer=self.optimizer,  # type: ignore[arg-type]
+            activations=self.base,  # type: ignore[arg-type]
+            names=names,
+        )
+
+    @property
+    def label(self) -> str:
+        named = ",".join(f"{n}={p}" for n, p in self.names if p != self.base) or "-"
+        return f"{self.base}[{named}] params={self.params} optimizer={self.optimizer}"
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        return dict(self.names)
+
+    def with_(self, **changes: Any) -> "Choice":
+        return dataclasses.replace(self, **changes)
+
+
+def choices(names: Sequence[str], params: Sequence[str], optimizer: Sequence[str]) -> list[Choice]:
+    """Every candidate: both bases, each name's policies under them, each placement."""
+    found = []
+    for p, o in itertools.product(params, optimizer):
+        for policies in itertools.product(("save", "offload", "remat"), repeat=len(names)):
+            found.append(Choice("remat", tuple(zip(names, policies)), p, o))
+        for policies in itertools.product(("save", "offload"), repeat=len(names)):
+            found.append(Choice("save", tuple(zip(names, policies)), p, o))
+    return found
