@@ -40,6 +40,7 @@ from ._fit_result import Candidate as Candidate, FitResult as FitResult
 from ._guard import no_implicit_transfers as no_implicit_transfers
 from ._jaxpr_walk import host_compute as host_compute
 from ._jit import FilterJit as FilterJit, filter_jit as filter_jit
+from ._max_batch import max_batch as max_batch
 from ._memory_report import (
     MemoryComparison as MemoryComparison,
     MemoryReport as MemoryReport,
