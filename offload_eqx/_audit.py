@@ -95,7 +95,7 @@ def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Tra
     entry, leaves = wrapper.compilation(*args, **kwargs)
     labelled = wrapper.arguments(*args, **kwargs)
     plan: Plan = entry.plan
-    closed = jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
+    closed = entry.jaxpr or jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
     jaxpr = _dce(closed.jaxpr)
 
     matched = entry.output_arguments

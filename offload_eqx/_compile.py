@@ -98,6 +98,9 @@ class Compilation:
     # [out_treedef, out_static, out_mask], written by each trace of the function.
     out_cell: list
     remake: Callable[[Plan], Callable[..., list]]  # `flat` under another plan
+    # The program traced when the entry was made (a ClosedJaxpr): the audit walks it
+    # rather than tracing again.
+    jaxpr: Any = None
 
     @property
     def types(self) -> tuple:
@@ -181,6 +184,7 @@ def compile_entry(
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
     plan.check_offloads(traced.jaxpr.jaxpr)
+    entry.jaxpr = traced.jaxpr
     entry.out_avals = tuple(traced.jaxpr.out_avals)
     out_treedef, _, out_mask = cell
     entry.out_shardings = plan.output_shardings(

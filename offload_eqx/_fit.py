@@ -297,7 +297,7 @@ def fit(
     )
 
 
-def _compose(search, remat, save, names, params, optimizer, all_choices) -> dict:
+def _compose(search, remat, save, names, params, optimizer, all_choices) -> tuple[dict, list]:
     """Every candidate's load (or why it cannot run), composed from one-choice variants."""
     base_loads: dict[str, Load | str] = {}
     deltas: dict[tuple, Delta | str] = {}

@@ -1,0 +1,106 @@
+"""`ox.fit` against the real XLA:GPU compiler for an H100 (deviceless).
+
+The model is the experiments' decoder (`experiments/_decoder.py`), small enough that a
+compile takes a second; the budgets are set from its own compiled memory, so that the
+baseline does not fit and something else must be chosen.
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import offload_eqx as ox
+
+pytestmark = pytest.mark.deviceless
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+try:
+    import _decoder as decoder  # pyright: ignore[reportMissingImports]
+finally:
+    sys.path.remove(str(EXPERIMENTS))
+
+CONFIG = decoder.Config("test", vocab=512, dim=128, ffn=384, layers=4, heads=4, seq=128)
+BATCH = 16
+FIXED = [
+    "baseline",
+    "remat",
+    "offload_activations",
+    "offload_params",
+    "offload_optimizer",
+    "hybrid",
+]
+
+
+@pytest.fixture(scope="module")
+def problem():
+    model, opt_state = decoder.abstract_state(CONFIG)
+    tokens = jax.ShapeDtypeStruct((BATCH, CONFIG.seq + 1), jnp.int32)
+    optimizer = decoder.make_optimizer()
+    return optimizer, (model, opt_state, tokens)
+
+
+def _step(problem, strategy):
+    return decoder.make_step(problem[0], strategy)
+
+
+@pytest.fixture(scope="module")
+def fixed_estimates(problem):
+    """Every fixed strategy's estimate (compiled), by name."""
+    return {
+        name: ox.estimate(_step(problem, ox.STRATEGIES[name]), *problem[1], target="h100")
+        for name in FIXED
+    }
+
+
+def test_ample_budget_recomputes_and_offloads_nothing(problem):
+    result = ox.fit(_step(problem, "annotated"), *problem[1], target="h100")
+    assert result.estimate.recompute_flops == 0
+    assert result.estimate.h2d_bytes == result.estimate.d2h_bytes == 0
+    assert result.strategy.activations == "save"
+    assert (result.strategy.params, result.strategy.optimizer) == ("device", "device")
+    assert result.compiles <= 12
+    # The scan's carry is named but never offered: the scan keeps it anyway.
+    assert any("'block_input' is the carry" in note for note in result.notes)
+
+
+def test_tight_budget_fits_and_beats_every_fixed_strategy_that_fits(problem, fixed_estimates):
+    baseline = fixed_estimates["baseline"].device_bytes
+    least = min(e.device_bytes for e in fixed_estimates.values())
+    budget = (baseline + least) // 2
+    assert baseline > budget
+    lines = []
+    result = ox.fit(
+        _step(problem, "baseline"), *problem[1], target="h100", device_budget=budget,
+        progress=lines.append,
+    )  # fmt: skip
+    assert result.estimate.device_bytes <= budget
+    # What `ox.fit` returns is what `ox.filter_jit` compiles under its strategy.
+    again = ox.estimate(_step(problem, result.strategy), *problem[1], target="h100")
+    assert again.device_bytes == result.estimate.device_bytes
+    assert again.seconds == pytest.approx(result.estimate.seconds)
+    for name, estimate in fixed_estimates.items():
+        if estimate.device_bytes <= budget:
+            assert result.estimate.seconds <= estimate.seconds * (1 + 1e-9), name
+    assert lines and "compiled" in lines[-1] and "best so far" in lines[-1]
+    assert sum(c.status == "best" for c in result.candidates) == 1
+    assert "best" in result.table()
+
+
+def test_impossible_budget_names_the_least_memory_found(problem):
+    with pytest.raises(ValueError, match=r"no plan of this step fits 'h100'.*least device memory"):
+        ox.fit(_step(problem, "baseline"), *problem[1], target="h100", device_budget=1024)
+
+
+def test_host_budget_rules_out_host_placements(problem, fixed_estimates):
+    baseline = fixed_estimates["baseline"].device_bytes
+    result = ox.fit(
+        _step(problem, "baseline"), *problem[1], target="h100",
+        device_budget=baseline // 2, host_budget=0,
+    )  # fmt: skip
+    assert result.estimate.host_bytes == 0
+    assert (result.strategy.params, result.strategy.optimizer) == ("device", "device")
+    assert "offload" not in dict(result.strategy.names).values()
