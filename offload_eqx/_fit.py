@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._activations import Policy
 from ._errors import ContractError
 from ._estimate import (
     Costs,
@@ -163,7 +164,7 @@ def fit(
 
     # The plan that recomputes everything: which names the forward pass produces, which
     # of them are loop carries.
-    everything = tuple((n, "remat") for n in sorted(declared))
+    everything: tuple[tuple[str, Policy], ...] = tuple((n, "remat") for n in sorted(declared))
     remat = Choice("remat", everything, "device", "device")
     first = search.trace(remat)
     if isinstance(first, Exception):
@@ -191,6 +192,9 @@ def fit(
 
     # Steps 2 and 3: bound, compile in order, stop when the rest is slower.
     offsets: dict[str, int] = {}
+    # What a refused compile (XLA:TPU raises instead of reporting memory) says of its base:
+    # XLA adds at least this much; used for a base that no compile has measured.
+    refused: dict[str, int] = {}
     rows: dict[Choice, Candidate] = {}
     best: tuple[tuple, Choice, StepEstimate] | None = None
     least: tuple[int, int, str] | None = None
@@ -202,8 +206,9 @@ def fit(
                 "not compiled: predicted slower than the best plan that fits",
             )  # fmt: skip
             continue
+        offset = offsets.get(choice.base, refused.get(choice.base))
         bound = search.device_arguments(choice) + (
-            offsets[choice.base] + _saved(choice, produced) if choice.base in offsets else 0
+            offset + _saved(choice, produced) if offset is not None else 0
         )
         host_bound = _host_bound(search, choice, produced, plan)
         if bound > budget or host_bound > host_limit or search.compiles >= max_compiles:
@@ -230,6 +235,10 @@ def fit(
         except Exception as error:
             if not _is_out_of_memory(error):
                 raise
+            # More than the budget: plans of this base needing as much before what XLA
+            # adds are not compiled again (without this, every one of them would be).
+            needed = budget + 1 - search.device_arguments(choice) - _saved(choice, produced)
+            refused[choice.base] = max(refused.get(choice.base, needed), needed)
             status = "does not fit: the compiler ran out of device memory"
             rows[choice] = Candidate(
                 label, None, exact.seconds, load.moved, exact.recompute_flops, None, None, status
@@ -302,29 +311,16 @@ def _compose(search, remat, save, names, params, optimizer, all_choices) -> tupl
     base_loads: dict[str, Load | str] = {}
     deltas: dict[tuple, Delta | str] = {}
     for base in (remat, save):
-        base_loads[base.base] = _load(search.trace(base))
-        if isinstance(base_loads[base.base], str):
-            continue
+        base_load = base_loads[base.base] = _load(search.trace(base))
         for name in names:
             for policy in ("save", "offload") if base is remat else ("offload",):
                 variant = base.with_(names=_set(base.names, name, policy))
-                costs = search.trace(variant)
-                deltas[(base.base, name, policy)] = (
-                    _load(costs) - base_loads[base.base]
-                    if not isinstance(_load(costs), str)
-                    else _load(costs)
-                )
+                deltas[(base.base, name, policy)] = _delta(search.trace(variant), base_load)
     for p in params:
         for o in optimizer:
-            if (p, o) == ("device", "device"):
-                continue
-            costs = search.trace(remat.with_(params=p, optimizer=o))
-            loaded = _load(costs)
-            deltas[("placement", p, o)] = (
-                loaded - base_loads["remat"]
-                if not isinstance(loaded, str) and not isinstance(base_loads["remat"], str)
-                else loaded
-            )
+            if (p, o) != ("device", "device"):
+                variant = remat.with_(params=p, optimizer=o)
+                deltas[("placement", p, o)] = _delta(search.trace(variant), base_loads["remat"])
     notes = [
         f"Not searched: {_describe(part)}, which {reason}."
         for part, reason in [(("base", b, ""), v) for b, v in base_loads.items()]
@@ -361,6 +357,14 @@ def _load(costs: Costs | Exception) -> Load | str:
     if isinstance(costs, Exception):
         return "fails: " + str(costs).split(". ")[0][:200]
     return load_of(costs)
+
+
+def _delta(costs: Costs | Exception, base: Load | str) -> Delta | str:
+    """What a variant changes from its base (or why the variant, or its base, fails)."""
+    load = _load(costs)
+    if isinstance(base, str):
+        return base
+    return load if isinstance(load, str) else load - base
 
 
 def _set(names: tuple, name: str, policy: str) -> tuple:
