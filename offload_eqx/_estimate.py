@@ -233,6 +233,8 @@ class StepEstimate:
     phases: Mapping[str, PhaseTime]
     speeds: Speeds
     capacity: int | None = None
+    # (phase, what the counts leave out): while loops are counted once
+    notes: tuple[tuple[str, str], ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -263,6 +265,7 @@ class StepEstimate:
             "mfu": self.mfu(),
             "phases": {k: dataclasses.asdict(v) for k, v in self.phases.items()},
             "speeds": dataclasses.asdict(self.speeds),
+            "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
@@ -293,6 +296,7 @@ class StepEstimate:
                     rows,
                     numeric=True,
                 ),
+                *(f"Note ({phase}): {note}" for phase, note in self.notes),
             ]
         )
 
@@ -328,6 +332,7 @@ def estimate_from(
         phases=phases,
         speeds=speeds,
         capacity=target.capacity,
+        notes=tuple((p, w.note) for p, w in costs.work.items() if w.note),
     )
 
 

@@ -214,3 +214,19 @@ def test_estimate_dataclass_is_frozen(state):
     estimate = _estimate(state, ox.STRATEGIES["baseline"], compile=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         estimate.seconds = 0.0  # type: ignore[misc]
+
+
+def test_while_loop_is_counted_once_and_said_so():
+    def fn(w, x):
+        def body(carry):
+            i, y = carry
+            return i + 1, jnp.tanh(y @ w)
+
+        return jax.lax.while_loop(lambda c: c[0] < 5, body, (0, x))[1]
+
+    w = jnp.ones((16, 16))
+    x = jnp.ones((4, 16))
+    estimate = ox.estimate(fn, w, x, target="cpu", compile=False)
+    assert estimate.flops == 2 * 4 * 16 * 16
+    assert estimate.notes and "while loop counted once" in estimate.notes[0][1]
+    assert "while loop counted once" in str(estimate)
