@@ -1,14 +1,14 @@
 """The tables and the plot of `transformer_offload.py`, from the rows it measured.
 
 `memory_table`: device and host bytes per strategy at batch 1; `batch_table`: the largest
-batch per strategy and the probes that found it; `loss_table`: the CPU losses per step;
-`plot`: both measurements as bars. GB = 1e9 bytes.
+batch per strategy (exact: `ox.max_batch`) and the compiles that decided it; `loss_table`:
+the CPU losses per step; `plot`: both measurements as bars. GB = 1e9 bytes.
 """
 
 from pathlib import Path
 
 import numpy as np
-from _batch_search import CAPACITY, GB
+from _batch_search import GB, capacity
 from _decoder import CONFIGS, STRATEGIES
 from _report import format_table, pyplot
 
@@ -54,12 +54,23 @@ def _failure(row: dict) -> str:
     return "refused: out of memory" if row.get("out_of_memory") else "compiler crashed"
 
 
-def _predicted(batch: int | None) -> str:
-    # A flat line (a peak set by the optimizer update, not by activations) meets the
-    # capacity at absurd batches; the search never probes past 64x the largest fit.
-    if batch is None:
-        return "-"
-    return "> 1000 (flat)" if batch > 1000 else str(batch)
+def _best(row: dict) -> str:
+    s = row["search"]
+    if s["max_batch"] == 0:
+        return "0 (batch 1 does not fit)"
+    if s["max_batch"] is not None:
+        return str(s["max_batch"])
+    if "error" in row and not row.get("out_of_memory"):
+        return "- (compiler crashed)"
+    # The search stopped early (a compiler failure at a larger batch, or --max-compiles):
+    # what its compiles settled.
+    misfit = min((p["batch"] for p in s["probes"] if not p["fits"]), default=None)
+    fit = max(
+        (p["batch"] for p in s["probes"] if p["fits"] and (misfit is None or p["batch"] < misfit)),
+        default=0,
+    )
+    between = f">= {fit}" if misfit is None else f"{fit}-{misfit - 1}"
+    return f"{between} (stopped)"
 
 
 def batch_table(rows: list[dict]) -> str:
@@ -69,30 +80,27 @@ def batch_table(rows: list[dict]) -> str:
         "capacity GB",
         "strategy",
         "max batch",
-        "line predicts",
         "device GB at max",
         "compiles",
-        "probes (batch: device GB, x = does not fit)",
+        "search s",
+        "probes in order (batch: device GB, x = does not fit)",
     ]
     body = []
-    for r in rows:
+    for r in (r for r in rows if "search" in r):
         s = r["search"]
         probes = ", ".join(
             f"{p['batch']}: {format_gb(p['total'])}{'' if p['fits'] else ' x'}" for p in s["probes"]
         )
-        best = str(s["max_batch"]) + ("" if s["exact"] else " (at least)")
-        if "error" in r and not r.get("out_of_memory"):
-            best = "- (compiler crashed)"
         body.append(
             [
                 r["config"],
                 r["target"],
-                format_gb(CAPACITY[r["target"]]),
+                format_gb(capacity(r["target"])),
                 r["strategy"],
-                best,
-                _predicted(s["predicted"]),
+                _best(r),
                 format_gb(s["total_at_max"]),
-                str(len(s["probes"])),
+                str(s["compiles"]),
+                f"{s['seconds']:.0f}",
                 probes,
             ]
         )
@@ -125,7 +133,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         x = np.arange(len(names)) + (i - (len(groups) - 1) / 2) * width
         device = [(by_name[n]["total"] or 0) / GB if n in by_name else 0 for n in names]
         host = [(by_name[n]["host_total"] or 0) / GB if n in by_name else 0 for n in names]
-        best = [by_name[n]["search"]["max_batch"] if n in by_name else 0 for n in names]
+        best = [
+            (by_name[n].get("search") or {}).get("max_batch") or 0 if n in by_name else 0
+            for n in names
+        ]
         label = f"{group[0]} {group[1]}"
         bars = left.bar(x, device, width, label=label)
         left.bar(

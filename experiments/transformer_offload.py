@@ -26,18 +26,20 @@ Three measurements:
 1. compile-only (deviceless) for an H100 and a TPU v5p at 1B to 8B parameters in bf16,
    from `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape`; nothing is allocated): device and
    host bytes per memory space for each strategy;
-2. the largest batch that fits the chip under each strategy (H100 80 GB, TPU v5p 95 GiB),
-   found with compiles: a line through two measured batches predicts it, bisection confirms
-   it, with a bounded number of compiles;
+2. the largest batch that fits the chip under each strategy (H100 80 GB, TPU v5p 95 GB),
+   exactly, with `ox.max_batch`: the batch it returns was compiled and fits, the batch after
+   it was compiled and does not. A line through the measured batches only chooses where to
+   compile next (memory is nearly, not exactly, linear in the batch); a search takes 4 to
+   8 compiles;
 3. a tiny version of the model trained for a few steps on the CPU under each strategy: the
    losses must equal the baseline's (offloading and recomputing change where values live,
    never what they are).
 
-The search is `_batch_search.py`, the tables and the plot `_transformer_report.py`.
+The compiles are `_batch_search.py`, the tables and the plot `_transformer_report.py`.
 
-    JAX_PLATFORMS=cpu python experiments/transformer_offload.py --smoke   # ~2 min, idle 2 cores
-    JAX_PLATFORMS=cpu python experiments/transformer_offload.py --full    # 1B, 3B, 8B: ~1 h
-    ... --configs 8B --targets h100 --strategies hybrid --probes 5 --tag mine   # one slice
+    JAX_PLATFORMS=cpu python experiments/transformer_offload.py --smoke   # ~3 min, idle 2 cores
+    JAX_PLATFORMS=cpu python experiments/transformer_offload.py --full    # 1B, 3B, 8B: hours
+    ... --configs 8B --targets h100 --strategies hybrid --search h100 --tag mine   # one slice
 
 A TPU v5p compile of this step takes 20-40 s on an idle 2-core machine (up to 140 s when
 busy), an H100 one 3-4 s (up to 20 s). What the measurements showed (jax 0.10.2):
@@ -47,6 +49,10 @@ busy), an H100 one 3-4 s (up to 20 s). What the measurements showed (jax 0.10.2)
   moments on the device together): 63.9 GB for the 8B model, whatever the batch
   (`hybrid_whole_state`). Streaming the update layer by layer removes that peak: `hybrid`
   needs 2.22 GB at batch 1 on an H100, and the activations set the peak again;
+- memory is not a line in the batch: on the H100 at 1B, `hybrid` needs 75.3 GB at batch
+  90 and 87.5 GB at batch 91, and the line through batch 1 and 2 meets the capacity at 75
+  for `qkv_offload` and at 101 for `hybrid`, whose largest batches are 91 and 90.
+  `ox.max_batch` compiles both sides of each answer;
 - XLA:TPU (libtpu 0.0.42) crashes compiling any step of this model with host-resident
   parameters (`offload_state`, `hybrid`), shown as "compiler crashed"; the smaller seed-like
   models compile.
@@ -74,12 +80,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _batch_search import CAPACITY, largest_batch, measure  # noqa: E402
+from _batch_search import capacity, largest_batch, measure  # noqa: E402
 from _decoder import CONFIGS, STRATEGIES, Config, make_decoder, make_step, optimizer_for  # noqa: E402
 from _report import target_available  # noqa: E402
 from _transformer_report import batch_table, format_gb, loss_table, memory_table, plot  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The chips compiled for, and the bytes one of each has (`ox.TARGETS[name].capacity`).
+TARGETS = ["h100", "tpu-v5p"]
+CAPACITY = {target: capacity(target) for target in TARGETS}
 
 # -- 1 and 2. memory at batch 1 and the largest batch, compile-only ---------------------
 
@@ -87,27 +96,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def deviceless(
     config: Config,
     targets: list[str],
-    budget: dict[str, int],
+    search: dict[str, list[str] | None],
+    max_compiles: int | None = None,
     strategies: dict[str, list[str]] | None = None,
 ) -> list[dict]:
-    """Memory at batch 1 and the largest batch (with `budget[target]` more compiles), per
-    target and strategy (`strategies[target]`, all by default)."""
+    """Memory at batch 1 per target and strategy (`strategies[target]`, all by default),
+    and the largest batch (`ox.max_batch`, at most `max_compiles` compiles each when
+    given) of the strategies in `search[target]` (None: all)."""
     rows = []
     for target in targets:
         for strategy in (strategies or {}).get(target, list(STRATEGIES)):
-
-            def measure_at(batch, target=target, strategy=strategy):
-                return measure(config, target, strategy, batch)
-
-            first = measure_at(1)
-            row = {"config": config.name, "target": target, "strategy": strategy, **first}
-            row["search"] = largest_batch(measure_at, CAPACITY[target], first, budget[target])
-            rows.append(row)
+            if target in search and strategy in (search[target] or STRATEGIES):
+                row = largest_batch(config, target, strategy, max_compiles)
+                found = row["search"]
+                best = (
+                    f"; max batch {found['max_batch']} ({found['compiles']} compiles, "
+                    f"{found['seconds']:.0f} s)"
+                )
+                if found["stopped"]:
+                    best += f"; stopped: {found['stopped'][:160]}"
+            else:
+                row, best = measure(config, target, strategy, 1), ""
+            rows.append({"config": config.name, "target": target, "strategy": strategy, **row})
             print(
-                f"  {config.name} {target:8s} {strategy:14s} batch 1: "
-                f"{format_gb(first['total'])} GB device, {format_gb(first['host_total'])} GB host, "
-                f"{first['compile_s']:.1f} s; max batch {row['search']['max_batch']}"
-                f" ({len(row['search']['probes'])} compiles)",
+                f"  {config.name} {target:8s} {strategy:18s} batch 1: "
+                f"{format_gb(row['total'])} GB device, {format_gb(row['host_total'])} GB host, "
+                f"{row['compile_s']:.1f} s{best}",
                 flush=True,
             )
     return rows
@@ -147,37 +161,41 @@ def train_on_cpu(steps: int = 4, batch: int = 4, config: Config = CONFIGS["tiny"
     }
 
 
-# What each size compiles: (configs, compiles per batch search after batch 1 per target,
-# strategies per target, all when absent). A TPU v5p compile of this step takes 25-90 s on
-# a 2-core machine, an H100 one 4-12 s: the smoke run searches batches on the H100 with two
-# probes (batch 2, then where the line through batch 1 and 2 meets the capacity) and
-# compiles two strategies for the TPU at batch 1.
-SIZES: dict[str, tuple[list[str], dict[str, int], dict[str, list[str]]]] = {
-    "smoke": (["1B"], {"h100": 2, "tpu-v5p": 0}, {"tpu-v5p": ["full_remat", "qkv_offload"]}),
-    "default": (["1B"], {"h100": 4, "tpu-v5p": 2}, {}),
-    "full": (["1B", "3B", "8B"], {"h100": 5, "tpu-v5p": 3}, {}),
+# What each size compiles: (configs, strategies whose largest batch is searched per target
+# (None: all), strategies per target (all when absent)). A TPU v5p compile of this step
+# takes 20-40 s on an idle 2-core machine, an H100 one 3-4 s, and a search 4 to 8 compiles:
+# the smoke run searches three strategies on the H100 (the others at batch 1 only, 20 H100
+# compiles in all) and compiles two strategies for the TPU at batch 1.
+SIZES: dict[str, tuple[list[str], dict[str, list[str] | None], dict[str, list[str]]]] = {
+    "smoke": (
+        ["1B"],
+        {"h100": ["full_remat", "qkv_offload", "hybrid"]},
+        {"tpu-v5p": ["full_remat", "qkv_offload"]},
+    ),
+    "default": (["1B"], {"h100": None, "tpu-v5p": None}, {}),
+    "full": (["1B", "3B", "8B"], {"h100": None, "tpu-v5p": None}, {}),
 }
 
 
 def run(
     configs: list[str] = SIZES["smoke"][0],
-    targets: list[str] = list(CAPACITY),
-    budget: int | dict[str, int] = SIZES["smoke"][1],
+    targets: list[str] = list(TARGETS),
+    search: dict[str, list[str] | None] = SIZES["smoke"][1],
     cpu_steps: int = 4,
     strategies: dict[str, list[str]] | None = SIZES["smoke"][2],
     out: Path = RESULTS,
     tag: str = "",
+    max_compiles: int | None = None,
 ) -> dict:
-    """Compile-only memory and largest batch per (config, target, strategy), then the CPU
-    equal-loss check; print the tables, write JSON and a plot into `out`.
+    """Compile-only memory per (config, target, strategy) and the largest batch of the
+    strategies in `search[target]` (None: all), then the CPU equal-loss check; print the
+    tables, write JSON and a plot into `out`.
 
-    `budget` is the number of compiles each batch search may add after batch 1, one for
-    all targets or one per target; `strategies` optionally limits the strategies compiled
-    per target.
+    `strategies` optionally limits the strategies compiled per target; `max_compiles`
+    stops each search after that many compiles (unlimited by default: the answer is then
+    exact).
     """
     started = time.perf_counter()
-    if isinstance(budget, int):
-        budget = dict.fromkeys(targets, budget)
     targets = [t for t in targets if target_available(t)]
     rows: list[dict] = []
     for name in configs:
@@ -188,7 +206,7 @@ def run(
             "bf16",
             flush=True,
         )
-        rows += deviceless(config, targets, budget, strategies)
+        rows += deviceless(config, targets, search, max_compiles, strategies)
     cpu = train_on_cpu(steps=cpu_steps)
     worst = max(cpu["max_rel_diff"].values())
     assert worst < 1e-5, f"losses differ from the baseline by up to {worst:.2e}"
@@ -197,7 +215,8 @@ def run(
     if rows:
         print("\nDevice and host memory of one training step at batch 1 (GB = 1e9 bytes)")
         print(memory_table(rows))
-        print("\nLargest batch that fits one chip")
+    if any("search" in r for r in rows):
+        print("\nLargest batch that fits one chip (exact: it fits, the next batch does not)")
         print(batch_table(rows))
     print(
         f"\nTiny decoder on the CPU ({cpu['config']['dim']} wide, {cpu['config']['layers']} "
@@ -238,19 +257,25 @@ def main() -> None:
     size.add_argument(
         "--smoke",
         action="store_true",
-        help="1B only; two batch probes on h100, two strategies at batch 1 on tpu-v5p",
+        help="1B only; three largest batches on h100, two strategies at batch 1 on tpu-v5p",
     )
-    size.add_argument("--full", action="store_true", help="1B, 3B and 8B, five probes")
+    size.add_argument("--full", action="store_true", help="1B, 3B and 8B")
     parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
-    parser.add_argument("--targets", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument(
-        "--probes", type=int, help="compiles per batch search after batch 1 (every target)"
+        "--search",
+        nargs="*",
+        choices=list(TARGETS),
+        help="targets on which every strategy's largest batch is searched (none: batch 1 only)",
+    )
+    parser.add_argument(
+        "--max-compiles", type=int, help="stop each batch search after this many compiles"
     )
     parser.add_argument("--cpu-steps", type=int, default=4)
     parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES))
     args = parser.parse_args()
-    configs, budget, strategies = SIZES[
+    configs, search, strategies = SIZES[
         "full" if args.full else "smoke" if args.smoke else "default"
     ]
     if args.strategies:
@@ -258,10 +283,11 @@ def main() -> None:
     run(
         args.configs or configs,
         args.targets,
-        args.probes if args.probes is not None else budget,
+        search if args.search is None else dict.fromkeys(args.search),
         args.cpu_steps,
         strategies=strategies,
         tag=args.tag,
+        max_compiles=args.max_compiles,
     )
 
 
