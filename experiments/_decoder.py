@@ -54,6 +54,8 @@ CONFIGS = {
     "3B": Config("3B", vocab=32000, dim=3072, ffn=8192, layers=28, heads=24, seq=2048),
     # Llama-2/3-7B/8B-like (the facts file's 7.8B decoder plus embeddings): 8.0B parameters.
     "8B": Config("8B", vocab=32000, dim=4096, ffn=14336, layers=32, heads=32, seq=2048),
+    # Llama-2-13B's shape (the TPU blog's MaxText run), untied embeddings: 13.0B parameters.
+    "13B": Config("13B", vocab=32000, dim=5120, ffn=13824, layers=40, heads=40, seq=2048),
     # Trained on the CPU.
     "tiny": Config("tiny", vocab=256, dim=64, ffn=128, layers=3, heads=4, seq=32),
 }

@@ -64,3 +64,35 @@ def test_the_audit_of_every_decoder_step_raises_nothing(experiments):
         report = ox.audit(step, model, opt_state, tokens)
         report.assert_no_implicit()
         assert not report.violations, (name, report.violations)
+
+
+@pytest.fixture(scope="module")
+def planner():
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import planner  # pyright: ignore[reportMissingImports]
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    return planner
+
+
+def test_planner_reprices_with_the_estimate_model(planner):
+    """The planner's re-pricing (`ox.estimate`'s overlap model on a phase breakdown), the
+    link bandwidth where offloading stops paying, and the Pareto front."""
+    import offload_eqx as ox
+
+    speeds = ox.TARGETS["tpu-v5p"].speeds  # 32 GB/s each way
+    zero = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "exposed": 0.0}
+    offloaded = {
+        "phases": {
+            "forward": {**zero, "compute": 1.0, "h2d": 0.5, "d2h": 0.5, "exposed": 0.01},
+            "update": {**zero, "compute": 0.2},
+        }
+    }
+    remat = {"phases": {"forward": {**zero, "compute": 1.2}, "update": {**zero, "compute": 0.2}}}
+    assert planner._repriced(offloaded["phases"], 1.0) == pytest.approx(1.01 + 0.2)
+    assert planner._repriced(offloaded["phases"], 1.0, overlap=False) == pytest.approx(2.2)
+    # Offloading pays while 0.5 s + 0.01 s of copies, scaled by 32 GB/s / bandwidth, stay
+    # under the 1.2 s that recomputing takes: down to 32 x 0.51 / 1.2 GB/s.
+    assert planner._break_even(offloaded, remat, speeds) == pytest.approx(32 * 0.51 / 1.2, 1e-3)
+    assert planner._pareto([(1, 5), (2, 3), (3, 4), (4, 1)]) == [(1, 5), (2, 3), (4, 1)]
