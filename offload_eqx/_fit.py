@@ -234,7 +234,16 @@ def fit(
             report = memory_report(search.wrapper(choice), *args, target=resolved, **kwargs)
         except Exception as error:
             if not _is_out_of_memory(error):
-                raise
+                # A compiler crash on one plan (XLA:TPU crashes on some host-resident
+                # layouts) is that plan's answer, shown in its row, not the search's end.
+                first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+                status = f"compile failed: {type(error).__name__}: {first}"
+                rows[choice] = Candidate(
+                    label, None, exact.seconds, load.moved, exact.recompute_flops, None, None,
+                    status,
+                )  # fmt: skip
+                search.report()
+                continue
             # More than the budget: plans of this base needing as much before what XLA
             # adds are not compiled again (without this, every one of them would be).
             needed = budget + 1 - search.device_arguments(choice) - _saved(choice, produced)

@@ -11,10 +11,11 @@ once, so the work is counted here, from the program JAX traced, before XLA optim
 - Every other computing equation (elementwise, reductions, gathers, transposes, casts)
   costs the bytes of its outputs: a proxy for memory-bound work, counting no fusion (XLA
   fuses chains of elementwise operations, so this is an upper bound on what they write).
-  Reshapes, squeezes, `expand_dims`, `broadcast_in_dim` and `iota` cost nothing: XLA folds
-  them into their consumers. Structural equations (control flow, nested programs,
-  `device_put`, names, sharding constraints) are entered or skipped, and host callbacks
-  are transfers, which `ox.audit` reports.
+  A `dynamic_update_slice` or scatter costs the bytes of its update (XLA writes it into
+  the operand in place). Reshapes, squeezes, `expand_dims`, `broadcast_in_dim` and
+  `iota` cost nothing: XLA folds them into their consumers. Structural equations
+  (control flow, nested programs, `device_put`, names, sharding constraints) are entered
+  or skipped, and host callbacks are transfers, which `ox.audit` reports.
 - A `scan` body counts `length` times; a `cond` counts its most expensive branch (by flops,
   then bytes); a `while` body counts once, its trip count unknown (`PhaseWork.while_loops`
   says how many were seen); every other nested program (jit, remat, custom_jvp/vjp) counts
@@ -55,6 +56,18 @@ HOST_COMPUTE_TYPE = "device_host"
 # Shape changes XLA folds into the consumer: they write nothing of their own.
 _FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "iota"})
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+# Equations XLA runs in place on their first operand, with the index of the update they
+# write: a layer's slice written into a stacked buffer costs the slice, not the buffer.
+_IN_PLACE = {
+    "dynamic_update_slice": 1,
+    "scatter": 2,
+    "scatter-add": 2,
+    "scatter_add": 2,
+    "scatter-mul": 2,
+    "scatter_mul": 2,
+    "scatter-min": 2,
+    "scatter-max": 2,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +222,9 @@ class _Counter:
     def _count(self, eqn, count: float, phase: str, host: bool, recompute: bool) -> None:
         work, rates = self.work[phase], self.rates
         written = sum(_nbytes(v.aval) for v in eqn.outvars)
+        if eqn.primitive.name in _IN_PLACE:
+            # XLA updates the operand in place: only the update is written.
+            written = _nbytes(eqn.invars[_IN_PLACE[eqn.primitive.name]].aval)
         if eqn.primitive.name in _MATMULS:
             flops = _matmul_flops(eqn) * count
             nbytes = (sum(_nbytes(v.aval) for v in eqn.invars) + written) * count

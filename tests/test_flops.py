@@ -358,3 +358,15 @@ def test_compute_on_host_is_counted_apart():
     assert forward.host_bytes == F32 * N * N + 3 * F32 * N * N  # sin, then the dot
     assert forward.host_seconds == pytest.approx((F32 * N * N + 3 * F32 * N * N) / 1e8)
     assert jnp.allclose(jax.jit(f)(a), 2 * (jnp.sin(a @ a) @ jnp.sin(a @ a)))  # runs on CPU
+
+
+def test_in_place_updates_cost_their_update_not_the_buffer():
+    # A (16, 1024) float32 slice written into a (64, 16, 1024) buffer: XLA updates in
+    # place, so the equation writes 64 KiB, not the 4 MiB buffer.
+    def fn(buffer, update):
+        return jax.lax.dynamic_update_slice(buffer, update[None], (3, 0, 0))
+
+    jaxpr = jax.make_jaxpr(fn)(jnp.zeros((64, 16, 1024)), jnp.ones((16, 1024)))
+    work = count_work(jaxpr)["forward"]
+    # The update's `[None]` is a free reshape; the slice is the only bytes written.
+    assert work.other_bytes == 16 * 1024 * 4
