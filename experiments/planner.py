@@ -29,9 +29,9 @@ without overlap and at other host-link bandwidths; and a plot of predicted step 
 against device memory for every candidate of each search (compiled ones filled), with the
 Pareto front.
 
-    JAX_PLATFORMS=cpu python experiments/planner.py --smoke   # 1B on h100: 1-2 min
+    JAX_PLATFORMS=cpu python experiments/planner.py --smoke   # 1B on h100: under a minute
     JAX_PLATFORMS=cpu python experiments/planner.py           # 1B on h100 and tpu-v5p
-    JAX_PLATFORMS=cpu python experiments/planner.py --full    # 1B, 8B, 13B on both: ~20 min
+    JAX_PLATFORMS=cpu python experiments/planner.py --full    # 1B, 8B, 13B on both: ~15 min
     ... --configs 8B --targets h100 --tag 8b                  # one slice (the 2-minute check)
 
 Compiles take most of the time, TPU ones most of all; the README has the timings.
