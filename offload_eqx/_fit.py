@@ -198,6 +198,7 @@ def fit(
     rows: dict[Choice, Candidate] = {}
     best: tuple[tuple, Choice, StepEstimate] | None = None
     least: tuple[int, int, str] | None = None
+    pruned: list[tuple[int, Choice]] = []  # (predicted device bytes, plan) not compiled
     for key, seconds, choice, load in priced:
         label = choice.label
         if best is not None and key > best[0]:
@@ -222,6 +223,8 @@ def fit(
             rows[choice] = Candidate(
                 label, None, seconds, load.moved, load.recompute_flops, None, None, why
             )
+            if bound > budget:
+                pruned.append((bound, choice))
             continue
         costs = search.trace(choice)
         if isinstance(costs, Exception):
@@ -280,16 +283,57 @@ def fit(
             search.best_label = f"{label} ({exact.seconds * 1e3:.3f} ms)"
         search.report()
 
-    if best is None:
-        if least is None:
-            hint = (
-                f"No candidate was compiled: each one's lower bound exceeds a budget, or the "
-                f"{max_compiles} compiles allowed ran out; raise `max_compiles`, a budget, "
-                "or lower the batch (`ox.max_batch`)."
+    if best is None and least is None and pruned:
+        # Every plan was predicted too large: compile the smallest of each base, so that
+        # the error names a measured least memory rather than a prediction.
+        for base in ("remat", "save"):
+            of_base = [item for item in pruned if item[1].base == base]
+            if not of_base:
+                continue
+            _, smallest = min(of_base, key=lambda item: (item[0], _saved(item[1], produced)))
+            search.compiles += 1
+            try:
+                report = memory_report(search.wrapper(smallest), *args, target=resolved, **kwargs)
+            except Exception as error:
+                if _is_out_of_memory(error):
+                    continue
+                raise
+            if least is None or report.total < least[0]:
+                least = (report.total, report.host_total, smallest.label)
+            rows[smallest] = dataclasses.replace(
+                rows[smallest],
+                device_bytes=report.total,
+                host_bytes=report.host_total,
+                status="does not fit: compiled as its base's plan predicted smallest",
             )
-            least = (0, 0, "none compiled")
-        else:
-            hint = "Lower the batch (`ox.max_batch` finds the largest that fits) or raise a budget."
+    if best is None:
+        outcomes: dict[str, int] = {}
+        for row in rows.values():
+            if row.status.startswith(("does not fit", "compile failed")):
+                kind = row.status.split(":")[0]
+                outcomes[kind] = outcomes.get(kind, 0) + 1
+        tried = "; ".join(f"{n} {kind}" for kind, n in outcomes.items())
+        if least is None:
+            compiled = (
+                f"The {search.compiles} compiles measured no memory ({tried}). "
+                if search.compiles
+                else "No candidate was compiled: each one's bound exceeds a budget. "
+            )
+            hint = (
+                compiled + f"Raise `max_compiles` (now {max_compiles}) or a budget, lower the "
+                "batch (`ox.max_batch`), or see the first failing compile's message."
+            )
+            raise ValueError(
+                f"ox.fit: no plan of this step fits {resolved.name!r} within a device budget "
+                f"of {format_bytes(budget)} and a host budget of {format_bytes(host_limit)}. "
+                + hint
+                + "".join(
+                    f"\n  {row.label}: {row.status}"
+                    for row in rows.values()
+                    if row.status.startswith(("does not fit", "compile failed"))
+                )
+            )
+        hint = "Lower the batch (`ox.max_batch` finds the largest that fits) or raise a budget."
         raise ValueError(
             _NOTHING_FITS.format(
                 target=resolved.name, budget=format_bytes(budget),

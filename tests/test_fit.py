@@ -90,9 +90,13 @@ def test_tight_budget_fits_and_beats_every_fixed_strategy_that_fits(problem, fix
     assert "best" in result.table()
 
 
-def test_impossible_budget_names_the_least_memory_found(problem):
-    with pytest.raises(ValueError, match=r"no plan of this step fits 'h100'.*least device memory"):
+def test_impossible_budget_names_the_least_memory_found(problem, fixed_estimates):
+    with pytest.raises(ValueError, match=r"no plan of this step fits 'h100'") as error:
         ox.fit(_step(problem, "baseline"), *problem[1], target="h100", device_budget=1024)
+    # A measured memory, at most what the smallest fixed strategy needs, and its plan.
+    message = str(error.value)
+    assert "The least device memory found was" in message and "0 B (" not in message
+    assert "by the plan remat[" in message or "by the plan save[" in message
 
 
 def test_host_budget_rules_out_host_placements(problem, fixed_estimates):
