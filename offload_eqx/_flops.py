@@ -48,7 +48,7 @@ from typing import Any
 import jax.extend as jex
 import numpy as np
 
-from ._primitives import STRUCTURAL, is_callback
+from ._primitives import STRUCTURAL, is_callback, phase_of
 
 PHASES = ("forward", "backward", "update")
 RECOMPUTE_SCOPE = "rematted_computation"
@@ -197,17 +197,10 @@ class _Counter:
     def walk(self, jaxpr, count: float, phase: str, host: bool, recompute: bool) -> None:
         seen_backward = False
         for eqn in jaxpr.eqns:
-            # The phase rules of `_jaxpr_walk._Walker.walk`, kept identical.
             stack = str(eqn.source_info.name_stack)
-            if phase == "backward" or "transpose(" in stack:
-                eqn_phase = "backward"
+            eqn_phase = phase_of(stack, phase, seen_backward)
+            if eqn_phase == "backward":
                 seen_backward = self.saw_backward = True
-            elif "jvp(" in stack:
-                eqn_phase = "forward"
-            elif seen_backward:
-                eqn_phase = "update"
-            else:
-                eqn_phase = phase
             eqn_host = host or _on_host(eqn)
             eqn_recompute = recompute or RECOMPUTE_SCOPE in stack
             prim = eqn.primitive.name

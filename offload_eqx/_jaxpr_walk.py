@@ -33,7 +33,14 @@ import numpy as np
 
 from ._errors import Violation
 from ._memory_space import is_host_aval as _is_host
-from ._primitives import DATA_MOVEMENT, STRUCTURAL, VIEWS, callback_name, is_callback
+from ._primitives import (
+    DATA_MOVEMENT,
+    STRUCTURAL,
+    VIEWS,
+    callback_name,
+    is_callback,
+    phase_of,
+)
 from ._transfer_report import Transfer
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
@@ -115,15 +122,9 @@ class _Walker:
         fetches: list[tuple[str, Any]] = []  # host leaves fetched in this body: (path, aval)
         for eqn in jaxpr.eqns:
             stack = str(eqn.source_info.name_stack)
-            if phase == "backward" or "transpose(" in stack:
-                eqn_phase = "backward"
+            eqn_phase = phase_of(stack, phase, seen_backward)
+            if eqn_phase == "backward":
                 seen_backward = self.saw_backward = True
-            elif "jvp(" in stack:
-                eqn_phase = "forward"
-            elif seen_backward:
-                eqn_phase = "update"
-            else:
-                eqn_phase = phase
             eqn_host_ok = host_ok or HOST_COMPUTE_SCOPE in stack
             prim = eqn.primitive.name
             if eqn_phase == "backward":

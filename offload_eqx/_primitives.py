@@ -105,3 +105,15 @@ def callback_name(eqn) -> str:
     }.get(prim) or prim
     name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
     return f"{label}({name})" if name else label
+
+
+def phase_of(stack: str, phase: str, seen_backward: bool) -> str:
+    """The phase of an equation with name stack `stack`, in a body whose phase is `phase`,
+    after (`seen_backward`) or before a backward equation at its level: `transpose(...)`
+    is the backward pass, `jvp(...)` the forward pass, what follows the backward pass the
+    `update`. The audit's walk and the work counter both use this rule."""
+    if phase == "backward" or "transpose(" in stack:
+        return "backward"
+    if "jvp(" in stack:
+        return "forward"
+    return "update" if seen_backward else phase
