@@ -71,17 +71,21 @@ class _Search:
         self.speeds = speeds_of(target)
         self.progress = progress or (lambda line: None)
         self.costs: dict[Choice, Costs | Exception] = {}
+        self.wrappers: dict[Choice, FilterJit] = {}
         self.traces = self.compiles = 0
         self.fixed: dict[str, Any] = {}
         self.best_label = "none yet"
 
     def wrapper(self, choice: Choice) -> FilterJit:
-        return filter_jit(
-            self.step.fn,
-            strategy=choice.strategy(self.fixed),
-            donate=self.step.donate,
-            mesh=self.step.mesh,
-        )
+        # One wrapper per plan: its trace, plan and compile are asked for several times.
+        if choice not in self.wrappers:
+            self.wrappers[choice] = filter_jit(
+                self.step.fn,
+                strategy=choice.strategy(self.fixed),
+                donate=self.step.donate,
+                mesh=self.step.mesh,
+            )
+        return self.wrappers[choice]
 
     def trace(self, choice: Choice) -> Costs | Exception:
         if choice not in self.costs:
@@ -101,13 +105,19 @@ class _Search:
             f"best so far: {self.best_label}"
         )
 
-    def device_arguments(self, choice: Choice) -> int:
+    def argument_bytes(self, choice: Choice, memory: str) -> int:
+        """Bytes of the arguments a plan puts in `memory` ("device" counts unmanaged
+        leaves too: they stay where they are, on the device)."""
         plan = self.wrapper(choice).plan(*self.args, **self.kwargs)
+        memories = (None, "device") if memory == "device" else (memory,)
         return sum(
             int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
             for leaf in plan.leaves
-            if leaf.memory in (None, "device")
+            if leaf.memory in memories
         )
+
+    def device_arguments(self, choice: Choice) -> int:
+        return self.argument_bytes(choice, "device")
 
 
 def fit(
@@ -211,7 +221,7 @@ def fit(
         bound = search.device_arguments(choice) + (
             offset + _saved(choice, produced) if offset is not None else 0
         )
-        host_bound = _host_bound(search, choice, produced, plan)
+        host_bound = _host_bound(search, choice, produced)
         if bound > budget or host_bound > host_limit or search.compiles >= max_compiles:
             why = (
                 f"not compiled: predicted to need {format_bytes(bound)} of device memory"
@@ -431,11 +441,6 @@ def _saved(choice: Choice, produced: Mapping[str, NamedValue]) -> int:
     return sum(produced[n].bytes for n, p in choice.names if p == "save" and n in produced)
 
 
-def _host_bound(search, choice: Choice, produced: Mapping[str, NamedValue], plan) -> int:
+def _host_bound(search: _Search, choice: Choice, produced: Mapping[str, NamedValue]) -> int:
     offloaded = sum(produced[n].bytes for n, p in choice.names if p == "offload" and n in produced)
-    host_args = sum(
-        int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-        for leaf in search.wrapper(choice).plan(*search.args, **search.kwargs).leaves
-        if leaf.memory == "pinned_host"
-    )
-    return host_args + offloaded
+    return search.argument_bytes(choice, "pinned_host") + offloaded

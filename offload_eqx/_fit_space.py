@@ -116,10 +116,6 @@ class Choice:
         named = ",".join(f"{n}={p}" for n, p in self.names if p != self.base) or "-"
         return f"{self.base}[{named}] params={self.params} optimizer={self.optimizer}"
 
-    @property
-    def policies(self) -> dict[str, Policy]:
-        return dict(self.names)
-
     def with_(self, **changes: Any) -> "Choice":
         return dataclasses.replace(self, **changes)
 
