@@ -14,11 +14,13 @@ import jax
 import optax
 
 from ._memory_space import is_host_typed, to_device, to_host
+from ._optimizer_host import HostUpdate, apply_on_host
 from ._optimizer_state import (
     NAME,
     call_update,
     check_matches,
     check_ours,
+    declared_update,
     host_mask,
     init_in_place,
     on_device,
@@ -28,7 +30,8 @@ from ._optimizer_state import (
     trainable,
 )
 from ._optimizer_stream import StreamedUpdate, stream_init
-from ._placement import check_memory
+from ._placement import UPDATES, check_memory
+from ._trace_state import active_plan
 
 STREAMS = (None, "leaf", "layer")
 
@@ -56,6 +59,29 @@ def _check_transformation(value: object, *, where: str) -> None:
         return
     template = _A_FACTORY if callable(value) else _NOT_A_TRANSFORMATION
     raise TypeError(template.format(where=where, value=value, kind=type(value).__name__))
+
+
+def _check_update_on(update_on, stream, memory) -> None:
+    if update_on not in UPDATES:
+        raise ValueError(
+            f"{NAME}(update_on=...) is {update_on!r}; expected 'device' (fetch the state, "
+            "update on the accelerator) or 'host' (update in host memory on the host: "
+            "only gradients and updates cross the link)."
+        )
+    if update_on != "host":
+        return
+    if stream is not None:
+        raise ValueError(
+            f"{NAME}(update_on='host', stream={stream!r}): a stream fetches the state to "
+            "the device piece by piece; an update on the host never fetches it. Drop "
+            "`stream` (or use `update_on='device'` to stream)."
+        )
+    if memory != "pinned_host":
+        raise ValueError(
+            f"{NAME}(update_on='host', memory={memory!r}): the host update keeps the "
+            "state in host memory. Drop `memory` (it is 'pinned_host'), or use "
+            "`update_on='device'` for a state on the device."
+        )
 
 
 def _check_options(tx, stream, global_transform, layers, memory, check) -> None:
@@ -87,15 +113,26 @@ def _check_options(tx, stream, global_transform, layers, memory, check) -> None:
         raise TypeError(f"{NAME}(check=...) is {check!r}; expected True or False.")
 
 
-def _whole_state(inner: optax.GradientTransformation, memory: str) -> tuple[Any, Any]:
-    """`init` and `update` of `stream=None`: the whole state is fetched for the update."""
-    wrapper = state_type(memory)
+def update_location(state: Any) -> str:
+    """Where the update of `state` runs: as the strategy in force says, else as the state
+    was declared (`update_on=`)."""
+    declared = declared_update(state)
+    plan = active_plan()
+    return declared if plan is None else plan.strategy.update_of(declared)
+
+
+def _whole_state(
+    inner: optax.GradientTransformation, memory: str, update_on: str
+) -> tuple[Any, Any]:
+    """`init` and `update` of `stream=None`: the whole state is fetched for the update,
+    or the update runs on the host (`_optimizer_host`)."""
+    wrapper = state_type(memory, update_on)
 
     def init_fn(params):
         def init_on_device(params):
             return wrapper(inner.init(on_device(params)))
 
-        return init_in_place(init_on_device, trainable(params), memory)
+        return init_in_place(init_on_device, trainable(params), memory, update_on)
 
     def update_fn(updates, state, params=None, **extra_args):
         check_ours(state, streamed=False, name=NAME)
@@ -111,7 +148,7 @@ def _whole_state(inner: optax.GradientTransformation, memory: str) -> tuple[Any,
         new_updates, new_inner = call_update(inner, updates, inner_state, params, extra_args)
         return new_updates, type(state)(restore_memory(mask, new_inner))
 
-    return init_fn, update_fn
+    return init_fn, HostUpdate(inner, update_fn, update_location)
 
 
 # Hints are loose on purpose: the options are validated below with sentences that say
@@ -119,6 +156,7 @@ def _whole_state(inner: optax.GradientTransformation, memory: str) -> tuple[Any,
 def offload_optimizer(
     tx: Any,
     *,
+    update_on: str = "device",
     stream: str | None = None,
     global_transform: Any = None,
     layers: int | None = None,
@@ -133,7 +171,16 @@ def offload_optimizer(
         `inject_hyperparams`, `multi_transform`, ...) or an `optax.MultiSteps`. With a
         stream it must treat each parameter on its own (`adam`, `adamw`, `sgd`, `lion`,
         ...), which `init` checks.
-    - `stream`: how the update fetches the state.
+    - `update_on`: where the update runs.
+        - `"device"` (default): the state is fetched to the accelerator (see `stream`).
+        - `"host"`: the whole update (`global_transform` included) is one host
+          computation of the step: the state, all of it, stays in host memory and is
+          never fetched; the gradients are sent to the host once, the updates come back
+          once for parameters on the device (for host-resident parameters
+          `ox.apply_updates` adds them on the host: only the gradients move). Targets
+          that cannot run it (XLA:TPU) are refused when the step is compiled. A
+          strategy's `update=` overrides it.
+    - `stream`: how a device update fetches the state.
         - `None` (default): the whole state at once, for `optax.chain(global_transform,
           tx)`; XLA schedules the copies (the whole state is on the device together).
         - `"leaf"`: one parameter's state at a time, each in its own `jax.lax.cond`
@@ -165,9 +212,10 @@ def offload_optimizer(
     tx = _as_transformation(tx)
     global_transform = _as_transformation(global_transform)
     _check_options(tx, stream, global_transform, layers, memory, check)
+    _check_update_on(update_on, stream, memory)
     if stream is None:
         inner = tx if global_transform is None else optax.chain(global_transform, tx)
-        init_fn, update_fn = _whole_state(inner, memory)
+        init_fn, update_fn = _whole_state(inner, memory, update_on)
     else:
         init_fn = stream_init(tx, global_transform, layers, memory, check)
         update_fn = StreamedUpdate(tx, global_transform, layers)
@@ -204,16 +252,21 @@ def update_and_apply(
 def apply_updates(model: Any, updates: Any) -> Any:
     """`eqx.apply_updates` that keeps host-resident parameters on the host.
 
-    For a host-typed parameter the sum is computed on the device (the parameter is
-    fetched explicitly) and the result sent back, so no arithmetic runs on host-typed
-    values. `None` updates leave the leaf unchanged, as in `eqx.apply_updates`.
+    A host-typed parameter with a host-typed update (`update_on="host"`) is updated by a
+    host computation (one for all such leaves): nothing moves. A host-typed parameter
+    with a device update is fetched explicitly, summed on the device and sent back. A
+    parameter on the device gets its update fetched if that is host-typed. `None`
+    updates leave the leaf unchanged, as in `eqx.apply_updates`.
     """
+    on_host = apply_on_host(model, updates)
 
-    def apply(update, param):
+    def apply(update, param, new):
+        if new is not None:
+            return new
         if update is None:
             return param
         if is_host_typed(param):
             return to_host((to_device(param) + to_device(update)).astype(param.dtype))
         return (param + to_device(update)).astype(param.dtype)
 
-    return jax.tree_util.tree_map(apply, updates, model, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map(apply, updates, model, on_host, is_leaf=lambda x: x is None)

@@ -17,6 +17,9 @@ NAME = "ox.offload_optimizer"
 
 _METADATA_HOST = {"offload_eqx": Placement(memory="pinned_host", role="optimizer")}
 _METADATA_DEVICE = {"offload_eqx": Placement(memory="device", role="optimizer")}
+_METADATA_HOST_UPDATE = {
+    "offload_eqx": Placement(memory="pinned_host", role="optimizer", update="host")
+}
 
 
 class OffloadedState(eqx.Module):
@@ -32,6 +35,21 @@ class DeviceState(eqx.Module):
     inner: Any = eqx.field(metadata=_METADATA_DEVICE)
 
 
+class HostUpdatedState(eqx.Module):
+    """The state of `ox.offload_optimizer(update_on="host")`: all of it (scalars too) in
+    `pinned_host`, read and written by the host computation and never fetched."""
+
+    inner: Any = eqx.field(metadata=_METADATA_HOST_UPDATE)
+
+
+STATE_TYPES = (OffloadedState, DeviceState, HostUpdatedState)
+
+
+def declared_update(state: Any) -> str:
+    """Where the update of `state` is declared to run: `"host"` or `"device"`."""
+    return "host" if isinstance(state, HostUpdatedState) else "device"
+
+
 class StreamState(eqx.Module):
     """The inner state of a streamed `ox.offload_optimizer` (`stream="leaf"`/`"layer"`).
 
@@ -45,7 +63,9 @@ class StreamState(eqx.Module):
     leaves: Any
 
 
-def state_type(memory: str) -> type[OffloadedState] | type[DeviceState]:
+def state_type(memory: str, update: str = "device") -> type[eqx.Module]:
+    if update == "host":
+        return HostUpdatedState
     return OffloadedState if memory == "pinned_host" else DeviceState
 
 
@@ -85,7 +105,9 @@ def call_update(
 # -- where the state lives ----------------------------------------------------------------
 
 
-def init_in_place(init_on_device: Callable[[Any], Any], params: Any, memory: str) -> Any:
+def init_in_place(
+    init_on_device: Callable[[Any], Any], params: Any, memory: str, update: str = "device"
+) -> Any:
     """Initialise optimizer state straight into its planned memory.
 
     One jit fetches the parameters, initialises on the device and writes the state into
@@ -95,7 +117,7 @@ def init_in_place(init_on_device: Callable[[Any], Any], params: Any, memory: str
     memory. On a mesh, each leaf is sharded like the parameter it mirrors.
     """
     abstract = eqx.filter_eval_shape(init_on_device, params)
-    shardings = state_shardings(params, abstract, memory=memory)
+    shardings = state_shardings(params, abstract, memory=memory, update=update)
 
     def init_placed(params):
         return jax.tree_util.tree_map(
@@ -127,7 +149,7 @@ _OTHER_PARAMETERS = (
 def check_ours(state: Any, *, streamed: bool, name: str) -> None:
     """Raise a `TypeError` unless `state` is the state of an `ox.offload_optimizer` of
     this kind (streamed or not)."""
-    if not isinstance(state, (OffloadedState, DeviceState)):
+    if not isinstance(state, STATE_TYPES):
         what = f"a {type(state).__module__}.{type(state).__qualname__}"
         hint = (
             ", not the state of the optax transformation inside it"

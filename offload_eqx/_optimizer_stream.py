@@ -59,6 +59,7 @@ from ._optimizer_state import (
     state_type,
     trainable,
 )
+from ._trace_state import active_plan
 
 
 def _gate(token: Any) -> jax.Array:
@@ -211,6 +212,15 @@ class StreamedUpdate:
 
     def _step(self, updates, state, params, extra_args, apply):
         check_ours(state, streamed=True, name=NAME)
+        plan = active_plan()
+        if plan is not None and plan.strategy.update == "host":
+            raise ValueError(
+                f"Strategy {plan.strategy.name!r} runs optimizer updates on the host "
+                f"(update='host'), but this {NAME} streams its state to the device "
+                f"(stream={'leaf' if self.layers is None else 'layer'!r}). Build it with "
+                f"`{NAME}(tx, update_on='host')` (no stream), or use a strategy with "
+                "update='device'."
+            )
         if apply and params is None:
             raise ValueError(
                 f"{NAME}: `ox.update_and_apply` needs the parameters: call it as "

@@ -11,6 +11,9 @@ MEMORIES: tuple[str, ...] = get_args(Memory)
 
 Role = Literal["param", "optimizer"]
 
+Update = Literal["device", "host"]
+UPDATES: tuple[str, ...] = get_args(Update)
+
 METADATA_KEY = "offload_eqx"
 
 
@@ -23,14 +26,20 @@ class Placement:
         given to `ox.filter_jit`/`ox.place`; `None` means replicated.
     - `role`: `"param"` for model leaves, `"optimizer"` for optimizer state. Strategies
         override placements by role.
+    - `update`: optimizer state only: where its update runs, `"device"` or `"host"`
+        (`ox.offload_optimizer(update_on=...)`). State updated on the host lives in
+        host memory, all of it (scalars too).
     """
 
     memory: Memory = "device"  # validated in __post_init__ with a full message
     spec: PartitionSpec | None = None
     role: Role = "param"
+    update: Update = "device"
 
     def __post_init__(self):
         check_memory(self.memory, where="Placement(memory=...)")
+        if self.update not in UPDATES:
+            raise ValueError(f"Placement(update={self.update!r}); expected 'device' or 'host'.")
         if self.spec is not None and not isinstance(self.spec, PartitionSpec):
             raise TypeError(
                 f"Placement spec {self.spec!r} is a {type(self.spec).__name__}; expected "

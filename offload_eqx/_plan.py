@@ -91,6 +91,10 @@ def _effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy
     if placement is None:
         return None
     mode = strategy.params if placement.role == "param" else strategy.optimizer
+    if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
+        # State updated on the host lives there, all of it: the host computation reads
+        # and writes it in place, and nothing of it crosses the link.
+        return "pinned_host"
     if placement.role == "optimizer" and np.ndim(leaf) == 0:
         # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
         # are bytes, every update reads them, and a donated host scalar that XLA aliases
@@ -434,12 +438,14 @@ def plan(
     return Plan([(name, tree)], strategy, mesh)
 
 
-def state_shardings(params: Any, state: Any, *, memory: str = "pinned_host") -> Any:
+def state_shardings(
+    params: Any, state: Any, *, memory: str = "pinned_host", update: str = "annotated"
+) -> Any:
     """The planned sharding of every array leaf of an optimizer `state` (None at other
     leaves) for `params`: non-scalar state in `memory` as declared by the optimizer,
     sharded like the parameter whose key path it mirrors (replicated where shapes
     differ), on the mesh the parameters are on."""
-    strategy = Strategy("init", optimizer=cast(Any, memory))
+    strategy = Strategy("init", optimizer=cast(Any, memory), update=cast(Any, update))
     return Plan([("params", params), ("opt_state", state)], strategy).tree_shardings(1)
 
 

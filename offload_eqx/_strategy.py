@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 from ._activations import Policy, check_policy
 
 LeafMode = Literal["annotated", "device", "pinned_host"]
+UpdateMode = Literal["annotated", "device", "host"]
 ActivationMode = Literal["annotated", "save", "remat", "offload"]
 
 
@@ -29,6 +30,10 @@ class Strategy:
         `q` on the device. Every name must be declared by some module (`ox.activations`),
         or the step raises naming it. Stored as sorted `(name, policy)` pairs: a strategy
         stays hashable.
+    - `update`: where the update of `ox.offload_optimizer`'s state runs: `"annotated"`
+        (as its `update_on=` says), `"device"`, or `"host"` (the state stays in host
+        memory, scalars too, and only gradients and updates cross the link). `"host"`
+        needs `optimizer` other than `"device"`.
     """
 
     name: str
@@ -36,12 +41,14 @@ class Strategy:
     optimizer: LeafMode = "annotated"
     activations: ActivationMode = "annotated"
     names: Any = ()  # Mapping[str, Policy] or (name, policy) pairs; stored as sorted pairs
+    update: UpdateMode = "annotated"
 
     def __post_init__(self):
         for attr, allowed in (
             ("params", get_args(LeafMode)),
             ("optimizer", get_args(LeafMode)),
             ("activations", get_args(ActivationMode)),
+            ("update", get_args(UpdateMode)),
         ):
             value = getattr(self, attr)
             if value not in allowed:
@@ -63,6 +70,16 @@ class Strategy:
         for name, policy in pairs:
             check_policy(name, policy, where=f"Strategy {self.name!r}")
         object.__setattr__(self, "names", pairs)
+        if self.update == "host" and self.optimizer == "device":
+            raise ValueError(
+                f"Strategy {self.name!r} has update='host' and optimizer='device': an "
+                "update on the host keeps the optimizer state in host memory. Use "
+                "optimizer='pinned_host' (or 'annotated'), or update='device'."
+            )
+
+    def update_of(self, declared: str) -> str:
+        """Where this strategy runs an optimizer update declared to run on `declared`."""
+        return declared if self.update == "annotated" else self.update
 
     @property
     def name_policies(self) -> dict[str, Policy]:

@@ -1,0 +1,144 @@
+"""Computation placed on the host: `on_host(fn, *args)` and which targets can run it.
+
+`on_host` compiles `fn` as one host computation of the step (JAX's `compute_on` primitive
+with `compute_type="device_host"`): XLA:GPU runs it on the host CPU, on the host-memory
+buffers, inside the step's program; on a CPU backend it runs where everything runs.
+
+Three things differ from calling `jax.experimental.compute_on.compute_on2` directly:
+
+- `fn` is traced with *device-typed* operands. Inside a host computation every value is in
+  host memory, so the distinction means nothing there, but a trace with host-typed
+  operands mixes them with the device-typed constants that library code creates
+  (`jnp.imag` of a real array is a device-typed zero: optax's global norm fails with
+  "memory_space of all inputs passed to `add` must be the same").
+- Device-typed operands are sent to host memory explicitly (a `device_put` the audit
+  lists) before the call, every result is host-typed, and nothing comes back implicitly.
+- Arrays of two or more dimensions are sent flattened to one dimension (and reshaped
+  inside the host computation), unless `flatten=False`. XLA:GPU rejects a host call whose
+  operand has another layout than the call's parameter ("The async-start expects the
+  async shape ... to match"), and a gradient of `x @ w` often has the transposed layout;
+  a one-dimensional array has only one. On a mesh, flattening would reshard a leaf whose
+  later dimensions are sharded, so the caller passes `flatten=False` there.
+
+Equations traced here carry `compute_type="device_host"` in their context, which is how
+the audit and the work counter recognise host work.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+from ._memory_space import is_host_typed, to_host
+
+try:  # the primitive behind `compute_on2`, bound with an explicit jaxpr
+    from jax._src.compute_on import compute_on_p as _COMPUTE_ON
+except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
+    _COMPUTE_ON = None
+
+HOST = "device_host"
+
+# Platforms on which a host computation is refused, and why. Measured with the deviceless
+# compilers (experiments/README.md, "optimizer update on the host").
+HOST_COMPUTE_PROBLEMS: dict[str, str] = {
+    "tpu": (
+        "XLA:TPU gives a host computation's device operands a linear layout, so device "
+        "memory rises instead of falling (deviceless tpu-v5p, the tutorial's optimizer "
+        "workload: device temp 13 -> 48 MiB)"
+    ),
+}
+
+
+def host_compute_problem(platform: str) -> str | None:
+    """Why a host computation is refused on `platform` (`"cuda"`, `"tpu"`, `"cpu"`), if
+    it is."""
+    return HOST_COMPUTE_PROBLEMS.get(platform)
+
+
+def is_host_computation(eqn: Any) -> bool:
+    """Whether a jaxpr equation is a host computation (or an equation inside one)."""
+    if eqn.primitive.name == "compute_on" and eqn.params.get("compute_type") == HOST:
+        return True
+    return getattr(getattr(eqn, "ctx", None), "compute_type", None) == HOST
+
+
+def has_host_computation(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr computes anything on the host, at any depth."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if is_host_computation(eqn):
+            return True
+        for sub in _subs(eqn):
+            if has_host_computation(sub):
+                return True
+    return False
+
+
+def _subs(eqn: Any) -> list:
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                found.append(inner)
+    return found
+
+
+def _separate_consts(closed: Any) -> tuple[Any, list]:
+    from jax._src.interpreters import partial_eval as pe  # private: only for closures
+
+    return pe.separate_consts(closed)
+
+
+def _device_aval(x: Any) -> Any:
+    return jax.core.ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def on_host(fn: Callable[..., Any], *args: Any, flatten: bool = True) -> Any:
+    """`fn(*args)` computed on the host; every result is host-typed.
+
+    Array leaves of `args` are the computation's operands (device-typed ones are sent to
+    host memory first, explicitly, flattened to one dimension when `flatten`); other
+    leaves are constants of the computation.
+    """
+    if _COMPUTE_ON is None:  # pragma: no cover
+        raise NotImplementedError(
+            f"offload_eqx's host computation needs `jax._src.compute_on.compute_on_p`, "
+            f"which jax {jax.__version__} does not have; use jax 0.10.2 or update the "
+            "optimizer to `update_on='device'`."
+        )
+    dynamic, static = eqx.partition(args, eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+    shapes = [np.shape(x) for x in leaves]
+    sent = []
+    for x in leaves:
+        if not is_host_typed(x):
+            x = to_host(x.reshape(-1) if flatten and np.ndim(x) >= 2 else x)
+        sent.append(x)
+
+    def flat_fn(*flat):
+        restored = [x.reshape(shape) for x, shape in zip(flat, shapes)]
+        return fn(*eqx.combine(jax.tree_util.tree_unflatten(treedef, restored), static))
+
+    with compute_on(HOST):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[_device_aval(x) for x in sent]
+        )
+    jaxpr, consts = closed, []
+    if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        # `fn` closes over values of the enclosing trace: they become operands, sent to
+        # host memory like the others (as `compute_on2` does).
+        jaxpr, consts = _separate_consts(closed)
+        consts = [to_host(c) for c in consts]
+    outs = _COMPUTE_ON.bind(
+        *consts,
+        *sent,
+        jaxpr=jaxpr,
+        compute_type=HOST,
+        out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
+        compiler_options_json=None,
+    )
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
