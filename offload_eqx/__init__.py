@@ -63,6 +63,10 @@ from ._targets import (
     Target as Target,
     register_target as register_target,
 )
-from ._transfer_report import Transfer as Transfer, TransferReport as TransferReport
+from ._transfer_report import (
+    HostComputation as HostComputation,
+    Transfer as Transfer,
+    TransferReport as TransferReport,
+)
 
 __version__ = "0.1.0"

@@ -133,7 +133,9 @@ def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Tra
             )
     _check_activations(plan, walker, transfers)
     _check_devices(labelled, walker)
-    report = TransferReport(name, plan.strategy.name, transfers, walker.violations)
+    report = TransferReport(
+        name, plan.strategy.name, transfers, walker.violations, walker.host_computations
+    )
     return report.check(), jaxpr
 
 

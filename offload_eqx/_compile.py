@@ -17,6 +17,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ._errors import mixes_memory_spaces
+from ._host_compute import check_host_compute
 from ._host_use import locate_host_use
 from ._memory_space import is_host_aval
 from ._plan import LeafPlan, Plan
@@ -184,6 +185,8 @@ def compile_entry(
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
     plan.check_offloads(traced.jaxpr.jaxpr)
+    platform = _device_of(dynamic).platform
+    check_host_compute(traced.jaxpr, platform, f"this machine's {platform!r} device")
     entry.jaxpr = traced.jaxpr
     entry.out_avals = tuple(traced.jaxpr.out_avals)
     out_treedef, _, out_mask = cell

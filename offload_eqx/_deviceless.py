@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._host_compute import check_host_compute
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, resolve_mesh
 from ._placement import MEMORIES
@@ -230,6 +231,7 @@ def compile_for(program: Program, target: Target) -> Any:
     context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
     with context:
         traced = jax.jit(flat, in_shardings=in_shardings).trace(*abstract)
+        check_host_compute(traced.jaxpr, target.platform, f"target {target.name!r}")
         out_avals = traced.jaxpr.out_avals
         out_memories = program.out_memory(out_avals)
         if not on_mesh:

@@ -13,8 +13,9 @@ Three things differ from calling `jax.experimental.compute_on.compute_on2` direc
   "memory_space of all inputs passed to `add` must be the same").
 - Device-typed operands are sent to host memory explicitly (a `device_put` the audit
   lists) before the call, every result is host-typed, and nothing comes back implicitly.
-- Arrays of two or more dimensions are sent flattened to one dimension (and reshaped
-  inside the host computation), unless `flatten=False`. XLA:GPU rejects a host call whose
+- Arrays of two or more dimensions are passed flattened to one dimension (and reshaped
+  inside the host computation), unless `flatten=False`: device arrays before they are
+  sent, host arrays (the gradient of a host-resident parameter) in host memory. XLA:GPU rejects a host call whose
   operand has another layout than the call's parameter ("The async-start expects the
   async shape ... to match"), and a gradient of `x @ w` often has the transposed layout;
   a one-dimensional array has only one. On a mesh, flattening would reshard a leaf whose
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
-from ._memory_space import is_host_typed, to_host
+from ._memory_space import is_host_typed, labelled, to_host
 
 try:  # the primitive behind `compute_on2`, bound with an explicit jaxpr
     from jax._src.compute_on import compute_on_p as _COMPUTE_ON
@@ -40,6 +41,7 @@ except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
     _COMPUTE_ON = None
 
 HOST = "device_host"
+NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
 # Platforms on which a host computation is refused, and why. Measured with the deviceless
 # compilers (experiments/README.md, "optimizer update on the host").
@@ -56,6 +58,22 @@ def host_compute_problem(platform: str) -> str | None:
     """Why a host computation is refused on `platform` (`"cuda"`, `"tpu"`, `"cpu"`), if
     it is."""
     return HOST_COMPUTE_PROBLEMS.get(platform)
+
+
+def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
+    """Raise a `ValueError` if the traced step computes on the host and `platform`
+    refuses host computation: decided when the step is compiled, never a silent
+    fallback to the device."""
+    problem = host_compute_problem(platform)
+    if problem is None or not has_host_computation(jaxpr):
+        return
+    raise ValueError(
+        f"The step computes on the host (`ox.offload_optimizer(update_on='host')`, or a "
+        f"strategy with update='host'), which {where} does not support: {problem}. For "
+        "this target update on the device: `ox.offload_optimizer(tx)` (with "
+        "`stream='leaf'` or `'layer'` to fetch the state piece by piece), or a strategy "
+        "with update='device'."
+    )
 
 
 def is_host_computation(eqn: Any) -> bool:
@@ -97,8 +115,17 @@ def _device_aval(x: Any) -> Any:
     return jax.core.ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
 
 
-def on_host(fn: Callable[..., Any], *args: Any, flatten: bool = True) -> Any:
+def on_host(
+    fn: Callable[..., Any],
+    *args: Any,
+    flatten: bool = True,
+    name: str = "host computation",
+    labels: tuple[tuple[str, str], ...] = (),
+) -> Any:
     """`fn(*args)` computed on the host; every result is host-typed.
+
+    `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
+    is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
 
     Array leaves of `args` are the computation's operands (device-typed ones are sent to
     host memory first, explicitly, flattened to one dimension when `flatten`); other
@@ -111,12 +138,18 @@ def on_host(fn: Callable[..., Any], *args: Any, flatten: bool = True) -> Any:
             "optimizer to `update_on='device'`."
         )
     dynamic, static = eqx.partition(args, eqx.is_array)
-    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-    shapes = [np.shape(x) for x in leaves]
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    shapes = [np.shape(x) for _, x in with_path]
     sent = []
-    for x in leaves:
+    for path, x in with_path:
+        flat = flatten and np.ndim(x) >= 2
         if not is_host_typed(x):
-            x = to_host(x.reshape(-1) if flatten and np.ndim(x) >= 2 else x)
+            index = getattr(path[0], "idx", 0)
+            kind, root = labels[index] if index < len(labels) else ("input", f"args[{index}]")
+            with labelled(kind, root + jax.tree_util.keystr(path[1:])):
+                x = to_host(x.reshape(-1) if flat else x)
+        elif flat:
+            x = x.reshape(-1)  # in host memory: a host-typed gradient keeps its layout
         sent.append(x)
 
     def flat_fn(*flat):
@@ -133,12 +166,13 @@ def on_host(fn: Callable[..., Any], *args: Any, flatten: bool = True) -> Any:
         # host memory like the others (as `compute_on2` does).
         jaxpr, consts = _separate_consts(closed)
         consts = [to_host(c) for c in consts]
-    outs = _COMPUTE_ON.bind(
-        *consts,
-        *sent,
-        jaxpr=jaxpr,
-        compute_type=HOST,
-        out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
-        compiler_options_json=None,
-    )
+    with jax.named_scope(f"{NAME_SCOPE}[{name}]"):
+        outs = _COMPUTE_ON.bind(
+            *consts,
+            *sent,
+            jaxpr=jaxpr,
+            compute_type=HOST,
+            out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
+            compiler_options_json=None,
+        )
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

@@ -32,7 +32,8 @@ import jax.extend as jex
 import numpy as np
 
 from ._errors import Violation
-from ._memory_space import is_host_aval as _is_host
+from ._host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_computation
+from ._memory_space import is_host_aval as _is_host, label_in
 from ._primitives import (
     DATA_MOVEMENT,
     STRUCTURAL,
@@ -41,7 +42,7 @@ from ._primitives import (
     is_callback,
     phase_of,
 )
-from ._transfer_report import Transfer
+from ._transfer_report import HostComputation, Transfer
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
 
@@ -100,6 +101,7 @@ class _Walker:
         self.transfers: list[Transfer] = []
         self.violations: list[Violation] = []
         self.names_seen: set[str] = set()
+        self.host_computations: list[HostComputation] = []
         self.saw_backward = False
         self._seen_violations: set[tuple[str, str]] = set()
 
@@ -130,7 +132,7 @@ class _Walker:
             if eqn_phase == "backward":
                 self._check_residuals(eqn, env)
             if prim == "device_put":
-                self._device_put(eqn, env, count, eqn_phase, where, fetches, top)
+                self._device_put(eqn, env, count, eqn_phase, where, fetches, top, stack)
             elif prim == "name":
                 self.names_seen.add(eqn.params["name"])
                 env[eqn.outvars[0]] = _Origin("activation", eqn.params["name"])
@@ -156,6 +158,9 @@ class _Walker:
                         )
                         env[out] = source if whole else dataclasses.replace(source, fetched_in=None)
             elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
+                if prim == "compute_on" and is_host_computation(eqn):
+                    self._host_computation(eqn, stack, count, eqn_phase, where)
+                    eqn_host_ok = True
                 before = self.saw_backward
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
                 # A gradient computed inside a nested jit: what follows it is the update.
@@ -164,9 +169,24 @@ class _Walker:
                 if any(_is_var(v) and _is_host(v.aval) for v in eqn.invars):
                     self._host_arithmetic(eqn, env, where)
 
+    def _host_computation(self, eqn, stack, count, phase, where) -> None:
+        start = stack.rfind(HOST_NAME_SCOPE + "[")
+        name = stack[start + len(HOST_NAME_SCOPE) + 1 :].split("]")[0] if start >= 0 else ""
+        self.host_computations.append(
+            HostComputation(
+                name=name or "host computation",
+                phase=phase,  # type: ignore[arg-type]
+                count=count,
+                operand_bytes=sum(_nbytes(v.aval) for v in eqn.invars if _is_var(v)) * count,
+                result_bytes=sum(_nbytes(v.aval) for v in eqn.outvars) * count,
+                where=" > ".join(where),
+            )
+        )
+
     # -- transfers -------------------------------------------------------------------
 
-    def _device_put(self, eqn, env, count, phase, where, fetches, top) -> None:
+    def _device_put(self, eqn, env, count, phase, where, fetches, top, stack) -> None:
+        label = label_in(stack)
         for invar, outvar in zip(eqn.invars, eqn.outvars):
             if not _is_var(invar):
                 continue
@@ -186,6 +206,8 @@ class _Walker:
                     fetches.append((what, invar.aval))
             elif top and outvar in self.outputs:
                 kind, what = self.outputs[outvar]
+            elif label is not None:
+                kind, what = label
             elif to_host and phase == "backward":
                 kind, what = "gradient", self._gradient_of(outvar.aval, fetches)
                 env[outvar] = _Origin("gradient", what)

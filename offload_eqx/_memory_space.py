@@ -48,3 +48,23 @@ def type_matches(x: jax.Array) -> bool:
     """
     host_kind = x.sharding.memory_kind == "pinned_host"
     return host_kind == (jax.typeof(x).memory_space == jax.memory.Space.Host)
+
+
+# A transfer's label in the name stack, for the audit: `ox_moves[gradient=grads.w1]`.
+LABEL_SCOPE = "ox_moves"
+
+
+def labelled(kind: str, what: str) -> Any:
+    """A scope whose explicit transfers the audit reports as `kind` `what` (a gradient
+    sent to a host computation, an update fetched back) instead of "a computed value"."""
+    return jax.named_scope(f"{LABEL_SCOPE}[{kind}={what}]")
+
+
+def label_in(stack: str) -> tuple[str, str] | None:
+    """The innermost `(kind, what)` label in a name stack, if any."""
+    start = stack.rfind(LABEL_SCOPE + "[")
+    if start < 0:
+        return None
+    inner = stack[start + len(LABEL_SCOPE) + 1 :]
+    kind, _, rest = inner.partition("=")
+    return kind, rest[: rest.rfind("]")] if "]" in rest else rest

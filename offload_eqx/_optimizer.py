@@ -13,7 +13,7 @@ from typing import Any, cast
 import jax
 import optax
 
-from ._memory_space import is_host_typed, to_device, to_host
+from ._memory_space import is_host_typed, labelled, to_device, to_host
 from ._optimizer_host import HostUpdate, apply_on_host
 from ._optimizer_state import (
     NAME,
@@ -260,13 +260,17 @@ def apply_updates(model: Any, updates: Any) -> Any:
     """
     on_host = apply_on_host(model, updates)
 
-    def apply(update, param, new):
+    def apply(path, update, param, new):
         if new is not None:
             return new
         if update is None:
             return param
+        with labelled("update", "updates" + jax.tree_util.keystr(path)):
+            fetched = to_device(update)
         if is_host_typed(param):
-            return to_host((to_device(param) + to_device(update)).astype(param.dtype))
-        return (param + to_device(update)).astype(param.dtype)
+            return to_host((to_device(param) + fetched).astype(param.dtype))
+        return (param + fetched).astype(param.dtype)
 
-    return jax.tree_util.tree_map(apply, updates, model, on_host, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map_with_path(
+        apply, updates, model, on_host, is_leaf=lambda x: x is None
+    )

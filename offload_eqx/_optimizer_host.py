@@ -40,9 +40,9 @@ from ._trace_state import active_plan
 
 def flatten_transfers() -> bool:
     """Whether arrays sent to a host computation may be flattened (see `_host_compute`):
-    off a mesh only, where a reshape cannot reshard."""
+    on one device, where a reshape cannot reshard."""
     plan = active_plan()
-    return plan is None or plan.mesh is None
+    return plan is None or plan.mesh is None or plan.mesh.size == 1
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
@@ -80,6 +80,7 @@ def apply_on_host(params: Any, updates: Any) -> Any:
         host_params,
         host_updates,
         flatten=flatten_transfers(),
+        name="apply updates",
     )
 
 
@@ -113,6 +114,13 @@ class HostUpdate:
             return call_update(inner, grads, inner_state, params, extra_args)
 
         new_updates, new_inner = on_host(
-            update, grads, state.inner, given, extra_args, flatten=flatten_transfers()
+            update,
+            grads,
+            state.inner,
+            given,
+            extra_args,
+            flatten=flatten_transfers(),
+            name="optimizer update",
+            labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
         )
         return new_updates, type(state)(new_inner)

@@ -47,14 +47,33 @@ class Transfer:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
 
 
+@dataclasses.dataclass(frozen=True)
+class HostComputation:
+    """A computation the step runs on the host (`ox.offload_optimizer(update_on="host")`):
+    its operands are read and its results written in host memory; what it receives from
+    the device is listed among the transfers, sent explicitly before it."""
+
+    name: str  # "optimizer update", "apply updates"
+    phase: Phase
+    count: int
+    operand_bytes: int  # per call: everything it reads in host memory
+    result_bytes: int  # per call: everything it writes to host memory
+    where: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
 class TransferReport:
-    """What `ox.audit` found: the transfers of one call of a step, and contract breaches."""
+    """What `ox.audit` found: the transfers of one call of a step, contract breaches, and
+    the computations placed on the host (`host_computations`)."""
 
     name: str
     strategy: str
     transfers: list[Transfer]
     violations: list[Violation]
+    host_computations: list[HostComputation] = dataclasses.field(default_factory=list)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -187,6 +206,12 @@ class TransferReport:
                 f"total {direction}: {format_bytes(self.total(direction))}"
                 + (f" ({detail})" if detail else "")
             )
+        for h in self.host_computations:
+            lines.append(
+                f"on the host: {h.name} ({h.phase}{', ' + h.where if h.where else ''}, "
+                f"x{h.count}): reads {format_bytes(h.operand_bytes)}, writes "
+                f"{format_bytes(h.result_bytes)} in host memory"
+            )
         if self.violations:
             lines.append(f"violations ({len(self.violations)}):")
             lines += [f"  - {v.message}" for v in self.violations]
@@ -201,6 +226,7 @@ class TransferReport:
             "transfers": [t.as_dict() for t in self.transfers],
             "totals": self.totals,
             "violations": [dataclasses.asdict(v) for v in self.violations],
+            "host_computations": [h.as_dict() for h in self.host_computations],
         }
 
     def to_json(self, **kwargs: Any) -> str:
