@@ -15,9 +15,10 @@ Three things differ from calling `jax.experimental.compute_on.compute_on2` direc
   lists) before the call, every result is host-typed, and nothing comes back implicitly.
 - Arrays of two or more dimensions are passed flattened to one dimension (and reshaped
   inside the host computation), unless `flatten=False`: device arrays before they are
-  sent, host arrays (the gradient of a host-resident parameter) in host memory. XLA:GPU rejects a host call whose
-  operand has another layout than the call's parameter ("The async-start expects the
-  async shape ... to match"), and a gradient of `x @ w` often has the transposed layout;
+  sent, host arrays (the gradient of a host-resident parameter) in host memory.
+  XLA:GPU rejects a host call whose operand has another layout than the call's
+  parameter ("The async-start expects the async shape ... to match"), and a gradient of
+  `x @ w` often has the transposed layout;
   a one-dimensional array has only one. On a mesh, flattening would reshard a leaf whose
   later dimensions are sharded, so the caller passes `flatten=False` there.
 
@@ -31,6 +32,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.core import ShapedArray, Tracer
 from jax.experimental.compute_on import compute_on
 
 from ._memory_space import is_host_typed, labelled, to_host
@@ -112,7 +114,7 @@ def _separate_consts(closed: Any) -> tuple[Any, list]:
 
 
 def _device_aval(x: Any) -> Any:
-    return jax.core.ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+    return ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
 
 
 def on_host(
@@ -161,7 +163,7 @@ def on_host(
             *[_device_aval(x) for x in sent]
         )
     jaxpr, consts = closed, []
-    if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    if any(isinstance(c, Tracer) for c in closed.consts):
         # `fn` closes over values of the enclosing trace: they become operands, sent to
         # host memory like the others (as `compute_on2` does).
         jaxpr, consts = _separate_consts(closed)

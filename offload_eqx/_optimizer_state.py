@@ -63,7 +63,9 @@ class StreamState(eqx.Module):
     leaves: Any
 
 
-def state_type(memory: str, update: str = "device") -> type[eqx.Module]:
+def state_type(
+    memory: str, update: str = "device"
+) -> type[OffloadedState] | type[DeviceState] | type[HostUpdatedState]:
     if update == "host":
         return HostUpdatedState
     return OffloadedState if memory == "pinned_host" else DeviceState

@@ -92,9 +92,7 @@ def _effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy
         return None
     mode = strategy.params if placement.role == "param" else strategy.optimizer
     if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
-        # State updated on the host lives there, all of it: the host computation reads
-        # and writes it in place, and nothing of it crosses the link.
-        return "pinned_host"
+        return "pinned_host"  # updated on the host: all of it lives there, never moved
     if placement.role == "optimizer" and np.ndim(leaf) == 0:
         # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
         # are bytes, every update reads them, and a donated host scalar that XLA aliases
@@ -438,9 +436,7 @@ def plan(
     return Plan([(name, tree)], strategy, mesh)
 
 
-def state_shardings(
-    params: Any, state: Any, *, memory: str = "pinned_host", update: str = "annotated"
-) -> Any:
+def state_shardings(params: Any, state: Any, *, memory: str = "pinned_host", update="device"):
     """The planned sharding of every array leaf of an optimizer `state` (None at other
     leaves) for `params`: non-scalar state in `memory` as declared by the optimizer,
     sharded like the parameter whose key path it mirrors (replicated where shapes

@@ -66,8 +66,10 @@ def loss_fn(model, x):
     return jnp.mean(model(x) ** 2)
 
 
-def make_optimizer():
-    return ox.offload_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+def make_optimizer(update_on="device"):
+    return ox.offload_optimizer(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), update_on=update_on
+    )
 
 
 def make_step(opt, strategy=None, mesh=None, donate="all"):
@@ -80,12 +82,12 @@ def make_step(opt, strategy=None, mesh=None, donate="all"):
     return step
 
 
-def train(mesh, strategy=None, steps=3) -> dict:
+def train(mesh, strategy=None, steps=3, update_on="device") -> dict:
     """Place the model over `mesh` (given once), shard the batch, take the gradients, and
     run `steps` training steps. Returns every intermediate result by name."""
     model = ox.place(make_model(jax.random.key(0)), strategy, mesh=mesh)
     x = shard(jnp.asarray(make_batch()), DATA, mesh)
-    opt = make_optimizer()
+    opt = make_optimizer(update_on)
     opt_state = ox.place(opt.init(model), strategy)  # the mesh is found on the arrays
     placed = shardings((model, opt_state))  # before the step donates the buffers
 

@@ -210,6 +210,23 @@ def test_every_strategy_matches_one_device(axis_type, strategy):
 
 
 @on_eight_devices
+@pytest.mark.parametrize("strategy", ["baseline", "offload_optimizer", "hybrid"])
+def test_host_update_on_a_mesh_matches_one_device(strategy):
+    """`update_on="host"` on a 2x4 mesh: each device's shard of the state is updated on
+    its own host; the results equal the one-device device update's."""
+    run = train(_mesh(), strategy, update_on="host")
+    reference = _reference()
+    np.testing.assert_allclose([float(x) for x in run["losses"]], reference["losses"], rtol=2e-5)
+    for key in ("updates", "model"):
+        _assert_close(gather(run[key]), reference[key], key)
+    adam = run["opt_state"].inner[1][0]
+    assert adam.mu.layers.w1.sharding == NamedSharding(_mesh(), FSDP, memory_kind="pinned_host")
+    assert adam.count.sharding.memory_kind == "pinned_host"
+    for leaf in jax.tree_util.tree_leaves(run["opt_state"]):
+        assert leaf.sharding.memory_kind == "pinned_host"
+
+
+@on_eight_devices
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_shard_constrains_activations_inside_a_step(axis_type):
     mesh = _mesh(axis_type)

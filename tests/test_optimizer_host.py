@@ -1,0 +1,244 @@
+"""`ox.offload_optimizer(update_on="host")`: the optax update as a host computation.
+
+Equal to plain optax under every strategy, for the chains users write; the state (all of
+it) in host memory before and after; the audit lists only gradients going down and
+updates coming back (nothing with host-resident parameters), names the host computation,
+and never an optimizer-state transfer; bad options and targets that cannot compute on the
+host are refused with errors that say what to do.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from beartype import beartype
+from helpers import loss_fn, scanned_model, to_numpy
+from jaxtyping import Array, Float, jaxtyped
+
+import offload_eqx as ox
+from offload_eqx._optimizer_state import HostUpdatedState
+
+
+def _not_bias(model):
+    return jax.tree_util.tree_map(lambda x: x.ndim > 1, eqx.filter(model, eqx.is_array))
+
+
+CHAINS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=_not_bias),
+    "clip_adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)
+    ),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+}
+
+STRATEGIES = list(ox.STRATEGIES)
+
+
+def _batch() -> Float[Array, "8 16"]:
+    return jax.random.normal(jax.random.key(1), (8, 16))
+
+
+def _reference(transform, steps=3):
+    model, x = scanned_model(jax.random.key(0)), _batch()
+    state = transform.init(model)
+    for _ in range(steps):
+        grads = jax.grad(loss_fn)(model, x)
+        updates, state = transform.update(grads, state, model)
+        model = eqx.apply_updates(model, updates)
+    return model
+
+
+def _train(opt, strategy, *, apply="update_and_apply", steps=3):
+    model = ox.place(scanned_model(jax.random.key(0)), strategy)
+    state = opt.init(model)
+
+    @ox.filter_jit(strategy=strategy, donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        if apply == "update_and_apply":
+            return ox.update_and_apply(opt, grads, state, model)
+        updates, state = opt.update(grads, state, model)
+        return ox.apply_updates(model, updates), state
+
+    x = _batch()
+    for _ in range(steps):
+        model, state = step(model, state, x)
+    return model, state, step, x
+
+
+@jaxtyped(typechecker=beartype)
+def _assert_equal(ours: eqx.Module, reference: eqx.Module) -> None:
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(to_numpy(ours)),
+        jax.tree_util.tree_leaves(to_numpy(reference)),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_matches_plain_optax_under_every_strategy(name, strategy):
+    reference = _reference(CHAINS[name]())
+    opt = ox.offload_optimizer(CHAINS[name](), update_on="host")
+    model, state, _, _ = _train(opt, strategy)
+    _assert_equal(model, reference)
+    assert isinstance(state, HostUpdatedState)
+    # All of the state, scalars too, in host memory and typed so, after three steps.
+    for leaf in jax.tree_util.tree_leaves(state):
+        assert leaf.sharding.memory_kind == "pinned_host"
+        assert jax.typeof(leaf).memory_space == jax.memory.Space.Host
+    # Parameters stay where the strategy put them.
+    placed = ox.plan(scanned_model(jax.random.key(0)), strategy)
+    for leaf, leaf_plan in zip(jax.tree_util.tree_leaves(model), placed.leaves):
+        assert leaf.sharding.memory_kind == (leaf_plan.memory or "device"), leaf_plan.path
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "hybrid"])
+def test_update_then_apply_updates_matches_update_and_apply(strategy):
+    opt = ox.offload_optimizer(CHAINS["clip_adamw"](), update_on="host")
+    a, _, _, _ = _train(opt, strategy, apply="update_and_apply")
+    b, _, _, _ = _train(opt, strategy, apply="apply_updates")
+    _assert_equal(a, b)
+
+
+def test_a_strategy_moves_a_device_update_to_the_host():
+    """`Strategy(update="host")` runs an `update_on="device"` optimizer on the host: the
+    placement of every state leaf and where the update runs are the plan's decision."""
+    strategy = ox.Strategy("host_update", optimizer="pinned_host", update="host")
+    opt = ox.offload_optimizer(CHAINS["clip_adamw"]())
+    model, state, step, x = _train(opt, strategy)
+    _assert_equal(model, _reference(CHAINS["clip_adamw"]()))
+    assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(state)} == {
+        "pinned_host"
+    }
+    report = ox.audit(step, model, state, x)
+    # The model's fields are declared in host memory: the sum runs there too.
+    assert [h.name for h in report.host_computations] == ["optimizer update", "apply updates"]
+    assert not report.select(kind="optimizer")
+
+
+def _model_bytes(model) -> dict[str, int]:
+    return {
+        jax.tree_util.keystr(path): leaf.nbytes
+        for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
+    }
+
+
+def test_audit_lists_gradients_down_and_updates_up_only():
+    opt = ox.offload_optimizer(CHAINS["clip_adamw"](), update_on="host")
+    model, state, step, x = _train(opt, "offload_optimizer", steps=1)
+    report = ox.audit(step, model, state, x)
+    sizes = _model_bytes(model)
+    grads = {t.what: t.bytes for t in report.select("device-to-host", kind="gradient")}
+    updates = {t.what: t.bytes for t in report.select("host-to-device", kind="update")}
+    assert grads == {"grads" + p: b for p, b in sizes.items()}
+    assert updates == {"updates" + p: b for p, b in sizes.items()}
+    # adamw reads the parameters (weight decay): they are sent once too, nothing else.
+    sent_params = {t.what for t in report.select("device-to-host", kind="parameter")}
+    assert sent_params == {"model" + p for p in sizes}
+    assert not report.select(kind="optimizer")
+    assert report.total("host-to-device") == sum(sizes.values())
+    assert report.total("device-to-host") == 2 * sum(sizes.values())
+    (host,) = report.host_computations
+    assert host.name == "optimizer update" and host.phase == "update"
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
+    assert host.operand_bytes >= state_bytes + 2 * sum(sizes.values())
+    assert not report.violations
+    assert "on the host: optimizer update" in report.table()
+
+
+def test_adam_does_not_send_the_parameters():
+    opt = ox.offload_optimizer(optax.adam(1e-2), update_on="host")
+    model, state, step, x = _train(opt, "baseline", steps=1)
+    report = ox.audit(step, model, state, x)
+    assert not report.select(kind="parameter")
+    assert report.total("device-to-host") == sum(_model_bytes(model).values())
+
+
+def test_with_host_parameters_only_the_gradients_move_in_the_update():
+    """Under `hybrid` the parameters are in host memory: their gradients come out of the
+    backward pass host-typed, and the update and the sum both run on the host."""
+    opt = ox.offload_optimizer(CHAINS["clip_adamw"](), update_on="host")
+    model, state, step, x = _train(opt, "hybrid", steps=1)
+    report = ox.audit(step, model, state, x)
+    assert not report.select("host-to-device", phase="update")
+    assert not report.select(kind="optimizer")
+    assert not report.select(kind="update")
+    assert [h.name for h in report.host_computations] == ["optimizer update", "apply updates"]
+    assert not report.violations
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(update_on="cpu"), r"update_on=\.\.\.\) is 'cpu'; expected 'device'"),
+        (dict(update_on="host", stream="leaf"), r"update_on='host', stream='leaf'"),
+        (dict(update_on="host", memory="device"), r"keeps the state in host memory"),
+    ],
+)
+def test_bad_options_are_refused_when_wrapping(options, match):
+    with pytest.raises(ValueError, match=match):
+        ox.offload_optimizer(optax.adam(1e-2), **options)
+
+
+def test_a_strategy_with_a_host_update_and_device_state_is_refused():
+    with pytest.raises(ValueError, match=r"update='host' and optimizer='device'"):
+        ox.Strategy("s", optimizer="device", update="host")
+
+
+def test_a_streamed_optimizer_under_a_host_update_strategy_is_refused():
+    strategy = ox.Strategy("host_update", optimizer="pinned_host", update="host")
+    opt = ox.offload_optimizer(optax.adam(1e-2), stream="leaf")
+    with pytest.raises(ValueError, match=r"runs optimizer updates on the host .*stream"):
+        _train(opt, strategy, steps=1)
+
+
+def test_update_without_parameters_for_weight_decay_is_refused():
+    opt = ox.offload_optimizer(optax.adamw(1e-2, weight_decay=0.1), update_on="host")
+    model = scanned_model(jax.random.key(0))
+    state = opt.init(model)  # pyright: ignore[reportArgumentType]
+
+    @ox.filter_jit(strategy="offload_optimizer")
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        return opt.update(grads, state)
+
+    with pytest.raises(ValueError, match=r"reads the parameters .*opt.update\(grads, opt_state"):
+        step(model, state, _batch())
+
+
+# -- the real compilers ---------------------------------------------------------------
+
+
+def _abstract_step(update_on):
+    model = eqx.filter_eval_shape(scanned_model, jax.random.key(0), width=256, hidden=512)
+    opt = ox.offload_optimizer(CHAINS["clip_adamw"](), update_on=update_on)
+    state = eqx.filter_eval_shape(opt.init, model)
+
+    @ox.filter_jit(strategy="offload_optimizer", donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    return step, (model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
+
+
+@pytest.mark.deviceless
+def test_h100_host_update_holds_less_device_memory_than_the_device_update():
+    host_step, args = _abstract_step("host")
+    device_step, device_args = _abstract_step("device")
+    host = ox.memory_report(host_step, *args, target="h100")
+    device = ox.memory_report(device_step, *device_args, target="h100")
+    assert host.total < device.total
+    assert host.host["temp"] > 0 or host.host["argument"] > 0
+
+
+@pytest.mark.deviceless
+def test_tpu_refuses_a_host_update_at_compile_time_naming_the_target():
+    step, args = _abstract_step("host")
+    with pytest.raises(ValueError, match=r"target 'tpu-v5p' does not support: XLA:TPU .*linear"):
+        ox.memory_report(step, *args, target="tpu-v5p")
