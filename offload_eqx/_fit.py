@@ -41,7 +41,15 @@ from ._estimate import (
     trace_costs,
 )
 from ._fit_result import Candidate, FitResult
-from ._fit_space import Choice, NamedValue, carry_note, choices, named_values
+from ._fit_space import (
+    Choice,
+    NamedValue,
+    carry_note,
+    choices,
+    describe_part,
+    named_values,
+)
+from ._host_compute import host_compute_problem
 from ._jit import FilterJit, filter_jit
 from ._memory_report import memory_report
 from ._table import format_bytes
@@ -94,6 +102,10 @@ class _Search:
                     self.wrapper(choice), self.args, self.kwargs, self.speeds
                 )
             except ContractError as error:  # e.g. a name with nothing to offload
+                self.costs[choice] = error
+            except ValueError as error:  # a streamed optimizer cannot update on the host
+                if choice.optimizer != "host":
+                    raise
                 self.costs[choice] = error
             self.traces += 1
             self.report()
@@ -170,7 +182,9 @@ def fit(
     roles = {leaf.role for leaf in plan.leaves}
     declared = {name: policy for name, (policy, _) in plan.declared_activations.items()}
     params = ("device", "pinned_host") if "param" in roles else ("device",)
-    optimizer = ("device", "pinned_host") if "optimizer" in roles else ("device",)
+    # "host": the state in host memory, updated there, where the target can compute.
+    host = ("host",) if host_compute_problem(resolved.platform) is None else ()
+    optimizer = ("device", "pinned_host", *host) if "optimizer" in roles else ("device",)
 
     # The plan that recomputes everything: which names the forward pass produces, which
     # of them are loop carries.
@@ -377,7 +391,7 @@ def _compose(search, remat, save, names, params, optimizer, all_choices) -> tupl
         base_load = base_loads[base.base] = _load(search.trace(base))
         for name in names:
             for policy in ("save", "offload") if base is remat else ("offload",):
-                variant = base.with_(names=_set(base.names, name, policy))
+                variant = base.with_policy(name, policy)
                 deltas[(base.base, name, policy)] = _delta(search.trace(variant), base_load)
     for p in params:
         for o in optimizer:
@@ -385,7 +399,7 @@ def _compose(search, remat, save, names, params, optimizer, all_choices) -> tupl
                 variant = remat.with_(params=p, optimizer=o)
                 deltas[("placement", p, o)] = _delta(search.trace(variant), base_loads["remat"])
     notes = [
-        f"Not searched: {_describe(part)}, which {reason}."
+        f"Not searched: {describe_part(part)}, which {reason}."
         for part, reason in [(("base", b, ""), v) for b, v in base_loads.items()]
         + list(deltas.items())
         if isinstance(reason, str)
@@ -407,15 +421,6 @@ def _compose(search, remat, save, names, params, optimizer, all_choices) -> tupl
     return loads, notes
 
 
-def _describe(part: tuple) -> str:
-    kind, a, b = part
-    if kind == "placement":
-        return f"parameters in {a} with optimizer state in {b}"
-    if kind == "base":
-        return f"the base {a!r}"
-    return f"{a!r} {b} under the base {kind!r}"
-
-
 def _load(costs: Costs | Exception) -> Load | str:
     if isinstance(costs, Exception):
         return "fails: " + str(costs).split(". ")[0][:200]
@@ -428,10 +433,6 @@ def _delta(costs: Costs | Exception, base: Load | str) -> Delta | str:
     if isinstance(base, str):
         return base
     return load if isinstance(load, str) else load - base
-
-
-def _set(names: tuple, name: str, policy: str) -> tuple:
-    return tuple((n, policy if n == name else p) for n, p in names)
 
 
 def _saved(choice: Choice, produced: Mapping[str, NamedValue]) -> int:

@@ -97,18 +97,20 @@ class Choice:
     base: str  # "save" or "remat"
     names: tuple[tuple[str, Policy], ...]
     params: str
-    optimizer: str
+    optimizer: str  # "device", "pinned_host", or "host" (in host memory, updated there)
 
     def strategy(self, fixed: Mapping[str, Policy]) -> Strategy:
         """The `ox.Strategy` of this choice; `fixed` are the policies of names not
         searched (loop carries), kept as they are."""
         names = dict(fixed) | dict(self.names)
+        host = self.optimizer == "host"  # state in host memory, updated there
         return Strategy(
             self.label,
             params=self.params,  # type: ignore[arg-type]
-            optimizer=self.optimizer,  # type: ignore[arg-type]
+            optimizer="pinned_host" if host else self.optimizer,  # type: ignore[arg-type]
             activations=self.base,  # type: ignore[arg-type]
             names=names,
+            update="host" if host else "annotated",
         )
 
     @property
@@ -118,6 +120,9 @@ class Choice:
 
     def with_(self, **changes: Any) -> "Choice":
         return dataclasses.replace(self, **changes)
+
+    def with_policy(self, name: str, policy: Policy) -> "Choice":
+        return self.with_(names=tuple((n, policy if n == name else p) for n, p in self.names))
 
 
 def choices(names: Sequence[str], params: Sequence[str], optimizer: Sequence[str]) -> list[Choice]:
@@ -129,3 +134,14 @@ def choices(names: Sequence[str], params: Sequence[str], optimizer: Sequence[str
         for policies in itertools.product(("save", "offload"), repeat=len(names)):
             found.append(Choice("save", tuple(zip(names, policies)), p, o))
     return found
+
+
+def describe_part(part: tuple) -> str:
+    kind, a, b = part
+    if kind == "placement" and b == "host":
+        return f"parameters in {a} with the optimizer updated on the host"
+    if kind == "placement":
+        return f"parameters in {a} with optimizer state in {b}"
+    if kind == "base":
+        return f"the base {a!r}"
+    return f"{a!r} {b} under the base {kind!r}"

@@ -65,6 +65,11 @@ def test_ample_budget_recomputes_and_offloads_nothing(problem):
     assert result.compiles <= 12
     # The scan's carry is named but never offered: the scan keeps it anyway.
     assert any("'block_input' is the carry" in note for note in result.notes)
+    # The update on the host (state in host memory, only gradients and updates moving)
+    # is priced like every other placement.
+    host = [c for c in result.candidates if c.strategy.update == "host"]
+    assert host and all(c.strategy.optimizer == "pinned_host" for c in host)
+    assert all(c.seconds > 0 for c in host)
 
 
 def test_tight_budget_fits_and_beats_every_fixed_strategy_that_fits(problem, fixed_estimates):
