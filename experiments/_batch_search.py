@@ -61,11 +61,21 @@ def _memory(report: ox.MemoryReport | None, batch: int, seconds: float) -> dict:
 
 
 def _failed(error: BaseException, batch: int, seconds: float) -> dict:
+    # A `ValueError` is offload_eqx refusing the program for the target before XLA sees it
+    # (a host computation for XLA:TPU), not the compiler failing.
     return {
         **_memory(None, batch, seconds),
         "error": _first_line(error),
         "out_of_memory": _out_of_memory(error),
+        "refused": str(error) if isinstance(error, ValueError) else None,
     }
+
+
+def transfers(step, args: tuple) -> dict[str, int]:
+    """Bytes the step moves per call between device and host, by `ox.audit` (a trace, no
+    compile: the same on every target)."""
+    report = ox.audit(step, *args)
+    return {"h2d": report.total("host-to-device"), "d2h": report.total("device-to-host")}
 
 
 def measure(config: Config, target: str, strategy: str, batch: int) -> dict:
@@ -77,7 +87,8 @@ def measure(config: Config, target: str, strategy: str, batch: int) -> dict:
         report = ox.memory_report(step, *make_args(batch), target=target, name=strategy)
     except Exception as error:
         return _failed(error, batch, time.perf_counter() - start)
-    return _memory(report, batch, time.perf_counter() - start)
+    row = _memory(report, batch, time.perf_counter() - start)
+    return {**row, "transfers": transfers(step, make_args(batch))}
 
 
 def largest_batch(
@@ -92,7 +103,7 @@ def largest_batch(
     """
     step, make_args = _step_and_args(config, strategy)
     probes: list[dict] = []
-    stopped = None
+    stopped, cause = None, None
     started = time.perf_counter()
     try:
         best = ox.max_batch(
@@ -101,12 +112,14 @@ def largest_batch(
     except ValueError:
         best = 0  # batch 1 does not fit (its probe says by how much)
     except RuntimeError as error:
-        best, stopped = None, _first_line(error.__cause__ or error)
+        best, stopped, cause = None, _first_line(error.__cause__ or error), error.__cause__
     if probes:
         first = probes[0]
         row = _memory(first["report"], first["batch"], first["seconds"])
+        row["transfers"] = transfers(step, make_args(first["batch"]))
     else:  # the compile of batch 1 failed
-        row = _failed(RuntimeError(stopped), 1, time.perf_counter() - started)
+        refusal = cause if isinstance(cause, ValueError) else RuntimeError(stopped)
+        row = _failed(refusal, 1, time.perf_counter() - started)
     at_best = next((p for p in probes if p["batch"] == best), None)
     row["search"] = {
         "max_batch": best,

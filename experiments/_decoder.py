@@ -196,14 +196,18 @@ def loss_fn(model: Decoder, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def make_optimizer(layers: int | None = None) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(
+    layers: int | None = None, update_on: str = "device"
+) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state offloaded. With `layers`, the update streams stacked leaves one
     layer slice at a time (`ox.offload_optimizer(..., stream="layer", layers=layers)`);
-    without, the update fetches the whole state (`ox.offload_optimizer(adamw)`)."""
+    without, the update fetches the whole state (`ox.offload_optimizer(adamw)`), or with
+    `update_on="host"` runs on the host, where the state stays
+    (`ox.offload_optimizer(adamw, update_on="host")`)."""
     adamw = optax.adamw(1e-3, weight_decay=0.01)
     if layers is not None:
         return ox.offload_optimizer(adamw, stream="layer", layers=layers)
-    return ox.offload_optimizer(adamw)
+    return ox.offload_optimizer(adamw, update_on=update_on)
 
 
 def make_step(optimizer, strategy, mesh=None) -> Callable[..., Any]:
@@ -238,15 +242,35 @@ STRATEGIES: dict[str, ox.Strategy] = {
     "hybrid_whole_state": ox.Strategy(
         "hybrid_whole_state", params="pinned_host", optimizer="pinned_host"
     ),
+    # `hybrid` with the update on the host (`ox.offload_optimizer(adamw,
+    # update_on="host")`): the state never crosses the link, the host-resident parameters
+    # are updated on the host, so only the gradients move. XLA:TPU refuses it.
+    "hybrid_host_update": ox.Strategy(
+        "hybrid_host_update", params="pinned_host", optimizer="pinned_host"
+    ),
 }
 
 # Strategies whose update streams the stacked leaves layer by layer; the others use
 # `ox.offload_optimizer` (on the device strategies its state simply stays on the device).
 STREAMING = frozenset({"offload_state", "hybrid"})
+# Strategies whose update runs on the host.
+HOST_UPDATE = frozenset({"hybrid_host_update"})
+
+
+def _optimizer_kind(strategy: str | None) -> str:
+    if strategy in STREAMING:
+        return "layer"
+    return "host" if strategy in HOST_UPDATE else "whole"
+
+
+def _make(kind: str, config: Config) -> Any:
+    if kind == "layer":
+        return make_optimizer(config.layers)
+    return make_optimizer(update_on="host" if kind == "host" else "device")
 
 
 def optimizer_for(strategy: str, config: Config) -> Any:
-    return make_optimizer(config.layers if strategy in STREAMING else None)
+    return _make(_optimizer_kind(strategy), config)
 
 
 def _abstract(tree: Any) -> Any:
@@ -259,15 +283,14 @@ def _abstract(tree: Any) -> Any:
 
 def abstract_state(config: Config, strategy: str | None = None) -> tuple[Decoder, Any]:
     """The bf16 model and the optimizer state of `strategy` (the layer-streaming
-    optimizer's for a strategy in `STREAMING`, the whole-state one's otherwise) as
-    `ShapeDtypeStruct`s: nothing allocated."""
-    return _abstract_state(config, strategy in STREAMING)
+    optimizer's for a strategy in `STREAMING`, the host update's for one in `HOST_UPDATE`,
+    the whole-state one's otherwise) as `ShapeDtypeStruct`s: nothing allocated."""
+    return _abstract_state(config, _optimizer_kind(strategy))
 
 
 @functools.cache
-def _abstract_state(config: Config, streaming: bool) -> tuple[Decoder, Any]:
+def _abstract_state(config: Config, kind: str) -> tuple[Decoder, Any]:
     # Cached: every strategy and batch probe of one configuration reuses them.
     model = _abstract(eqx.filter_eval_shape(make_decoder, config, jax.random.key(0)))
-    optimizer = make_optimizer(config.layers if streaming else None)
-    opt_state = _abstract(eqx.filter_eval_shape(optimizer.init, model))
+    opt_state = _abstract(eqx.filter_eval_shape(_make(kind, config).init, model))
     return model, opt_state

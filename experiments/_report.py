@@ -89,7 +89,9 @@ def run_workload(
 
     `pairs[name] = ((fn, args, options) | None, (ox_fn, ox_args))`; `bounds[name]` is the
     analytic lower bound of the device total. Either may be a function of the target name
-    (a workload compiled at another size on the CPU). Returns the results (also in JSON).
+    (a workload compiled at another size on the CPU). An offload_eqx program whose compile
+    raises a `ValueError` (a host computation for XLA:TPU) is a row marked `refused`, its
+    reason printed under the table. Returns the results (also in JSON).
     """
     unit_name = "MiB" if unit == MiB else "GiB"
     rows = []
@@ -103,7 +105,12 @@ def run_workload(
                 fn, args, options = tutorial
                 report = ox.memory_report(fn, *args, target=target, name=name, **options)
                 tutorial_report = report.as_dict()
-            ours = ox.memory_report(ox_fn, *ox_args, target=target, name=name)
+            try:
+                ours, refused = ox.memory_report(ox_fn, *ox_args, target=target, name=name), None
+            except ValueError as error:
+                # A program the target cannot run (a host computation on XLA:TPU) is
+                # refused when compiled: a row saying why, not a crash.
+                ours, refused = None, str(error)
             rows.append(
                 {
                     "workload": workload,
@@ -111,15 +118,20 @@ def run_workload(
                     "target": target,
                     "published_total": published["total"] if published else None,
                     "tutorial": tutorial_report,
-                    "offload_eqx": ours.as_dict(),
+                    "offload_eqx": ours and ours.as_dict(),
+                    "refused": refused,
                     "bound": target_bounds.get(name),
-                    "transfers": transfer_totals(ox_fn, ox_args),
+                    "transfers": None if refused else transfer_totals(ox_fn, ox_args),
                 }
             )
+    notes = [
+        f"refused: {r['program']} on {r['target']}: {r['refused']}" for r in rows if r["refused"]
+    ]
     text = (
         f"{workload} offloading, device memory in {unit_name} (total = temp + argument + "
         "output - alias; published = the tutorial's GPU printout)\n"
         + format_table(_HEADER, [_table_row(row, unit) for row in rows])
+        + "".join("\n" + note for note in notes)
     )
     print(text)
     os.makedirs(results_dir, exist_ok=True)
@@ -149,6 +161,18 @@ _HEADER = [
 
 def _table_row(row: dict, unit: int) -> list[str]:
     tutorial, ours, moved = row["tutorial"], row["offload_eqx"], row["transfers"]
+    if ours is None:  # refused by the target's compiler (the reason follows the table)
+        return [
+            row["program"],
+            row["target"],
+            _fmt(row["published_total"], unit),
+            _fmt(tutorial and tutorial["device"]["temp"], unit),
+            _fmt(tutorial and tutorial["total"], unit),
+            "refused",
+            *["-"] * 3,
+            _fmt(row["bound"], unit),
+            *["-"] * 3,
+        ]
     return [
         row["program"],
         row["target"],
@@ -190,7 +214,7 @@ def _plot(workload: str, rows: list[dict], unit: int, unit_name: str, path: str)
         mine = [r for r in rows if r["target"] == target]
         xs = range(len(mine))
         tutorial = [(r["tutorial"]["total"] / unit) if r["tutorial"] else 0 for r in mine]
-        ours = [r["offload_eqx"]["total"] / unit for r in mine]
+        ours = [(r["offload_eqx"]["total"] / unit) if r["offload_eqx"] else 0 for r in mine]
         ax.bar([x - 0.2 for x in xs], tutorial, 0.4, label="tutorial code")
         ax.bar([x + 0.2 for x in xs], ours, 0.4, label="offload_eqx")
         for x, r in zip(xs, mine):

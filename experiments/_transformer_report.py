@@ -1,8 +1,10 @@
 """The tables and the plot of `transformer_offload.py`, from the rows it measured.
 
-`memory_table`: device and host bytes per strategy at batch 1; `batch_table`: the largest
-batch per strategy (exact: `ox.max_batch`) and the compiles that decided it; `loss_table`:
-the CPU losses per step; `plot`: both measurements as bars. GB = 1e9 bytes.
+`memory_table`: device and host bytes per strategy at batch 1 and the bytes the step moves
+each way (`ox.audit`); `refusals`: why offload_eqx refused a step for a target;
+`batch_table`: the largest batch per strategy (exact: `ox.max_batch`) and the compiles that
+decided it; `loss_table`: the CPU losses per step; `plot`: both measurements as bars.
+GB = 1e9 bytes.
 """
 
 from pathlib import Path
@@ -28,11 +30,14 @@ def memory_table(rows: list[dict]) -> str:
         "alias GB",
         "device total GB",
         "host total GB",
+        "h2d GB / step",
+        "d2h GB / step",
         "compile s",
     ]
     body = []
     for r in rows:
         d = r["device"] or {}
+        moved = r.get("transfers") or {}
         body.append(
             [
                 r["config"],
@@ -44,13 +49,26 @@ def memory_table(rows: list[dict]) -> str:
                 format_gb(d.get("alias")),
                 format_gb(r["total"]) if "error" not in r else _failure(r),
                 format_gb(r["host_total"]),
+                format_gb(moved.get("h2d")),
+                format_gb(moved.get("d2h")),
                 f"{r['compile_s']:.1f}",
             ]
         )
     return format_table(header, body, markdown=True)
 
 
+def refusals(rows: list[dict]) -> list[str]:
+    """One line per step that offload_eqx refused to compile for its target, with why."""
+    return [
+        f"{r['config']} {r['target']} {r['strategy']} refused: {r['refused']}"
+        for r in rows
+        if r.get("refused")
+    ]
+
+
 def _failure(row: dict) -> str:
+    if row.get("refused"):
+        return "refused (see below)"
     return "refused: out of memory" if row.get("out_of_memory") else "compiler crashed"
 
 
@@ -60,6 +78,8 @@ def _best(row: dict) -> str:
         return "0 (batch 1 does not fit)"
     if s["max_batch"] is not None:
         return str(s["max_batch"])
+    if row.get("refused"):
+        return "- (refused)"
     if "error" in row and not row.get("out_of_memory"):
         return "- (compiler crashed)"
     # The search stopped early (a compiler failure at a larger batch, or --max-compiles):
