@@ -48,11 +48,11 @@ from typing import Any
 import jax.extend as jex
 import numpy as np
 
+from ._host_compute import is_host_computation
 from ._primitives import STRUCTURAL, is_callback, phase_of
 
 PHASES = ("forward", "backward", "update")
 RECOMPUTE_SCOPE = "rematted_computation"
-HOST_COMPUTE_TYPE = "device_host"
 # Shape changes XLA folds into the consumer: they write nothing of their own.
 _FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "iota"})
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
@@ -170,10 +170,6 @@ def _dce(jaxpr):
         return jaxpr
 
 
-def _on_host(eqn) -> bool:
-    return getattr(getattr(eqn, "ctx", None), "compute_type", None) == HOST_COMPUTE_TYPE
-
-
 class _Counter:
     def __init__(self, rates: _Rates):
         self.rates = rates
@@ -201,7 +197,7 @@ class _Counter:
             eqn_phase = phase_of(stack, phase, seen_backward)
             if eqn_phase == "backward":
                 seen_backward = self.saw_backward = True
-            eqn_host = host or _on_host(eqn)
+            eqn_host = host or is_host_computation(eqn)
             eqn_recompute = recompute or RECOMPUTE_SCOPE in stack
             prim = eqn.primitive.name
             if prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):

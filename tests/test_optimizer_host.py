@@ -234,11 +234,11 @@ def test_h100_host_update_holds_less_device_memory_than_the_device_update():
     host = ox.memory_report(host_step, *args, target="h100")
     device = ox.memory_report(device_step, *device_args, target="h100")
     assert host.total < device.total
-    assert host.host["temp"] > 0 or host.host["argument"] > 0
+    assert host.host["temp"] > device.host["temp"]  # the host computation's temporaries
 
 
 @pytest.mark.deviceless
 def test_tpu_refuses_a_host_update_at_compile_time_naming_the_target():
     step, args = _abstract_step("host")
-    with pytest.raises(ValueError, match=r"target 'tpu-v5p' does not support: XLA:TPU .*linear"):
+    with pytest.raises(ValueError, match=r"target 'tpu-v5p' does not support: XLA:TPU gains"):
         ox.memory_report(step, *args, target="tpu-v5p")
