@@ -42,6 +42,7 @@ from ._calibrate import cpu_speeds
 from ._flops import PhaseWork, count_work
 from ._jit import FilterJit, filter_jit
 from ._memory_report import memory_report
+from ._options import checks_options
 from ._table import format_bytes, format_table
 from ._targets import Speeds, Target, get_target
 from ._transfer_report import Transfer
@@ -336,6 +337,7 @@ def estimate_from(
     )
 
 
+@checks_options
 def estimate(
     step: Callable[..., Any],
     *args: Any,
@@ -352,13 +354,14 @@ def estimate(
     - `*args`, `**kwargs`: the call's arguments, arrays or `jax.ShapeDtypeStruct`s.
     - `target`: a name in `ox.TARGETS` or a `Target`; its `speeds` price the step
         (`"cpu"`: measured on this machine, in float32).
-    - `compile`: compile for the target to read device and host memory (the step time
-        needs only the trace).
+    - `compile`: True or False: compile for the target to read device and host memory
+        (the step time needs only the trace).
 
     **Returns:** an `ox.StepEstimate` (`print` it; `to_dict()`).
 
     **Raises:** what `ox.audit` raises for a step that breaks its placement contract
-    (the prediction would price a program that does not do what it declares).
+    (the prediction would price a program that does not do what it declares);
+    `TypeError`, before any trace, for a `compile` that is not True or False.
     """
     wrapper = step if isinstance(step, FilterJit) else filter_jit(step)
     return estimate_from(wrapper, args, kwargs, get_target(target), compile=compile)

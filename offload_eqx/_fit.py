@@ -52,6 +52,7 @@ from ._fit_space import (
 from ._host_compute import host_compute_problem
 from ._jit import FilterJit, filter_jit
 from ._memory_report import memory_report
+from ._options import checks_options
 from ._table import format_bytes
 from ._targets import Target, get_target
 
@@ -132,6 +133,7 @@ class _Search:
         return self.argument_bytes(choice, "device")
 
 
+@checks_options
 def fit(
     step: Callable[..., Any],
     *args: Any,
@@ -152,7 +154,7 @@ def fit(
         `jax.ShapeDtypeStruct`s).
     - `target`: a name in `ox.TARGETS` or a `Target`.
     - `device_budget`: bytes of device memory per device (default: the target's capacity).
-    - `host_budget`: bytes of host memory per device (default: the target's
+    - `host_budget`: bytes of host memory per device, 0 for none (default: the target's
         `speeds.host_memory`).
     - `max_compiles`: at most this many compiles (each candidate that is priced exactly
         is compiled once).
@@ -167,7 +169,8 @@ def fit(
     `.estimate`, `.candidates`.
 
     **Raises:** `ValueError` when no plan fits, naming the least device memory found and
-    its plan.
+    its plan. Before any work: `TypeError`/`ValueError` for a budget or `max_compiles`
+    that is not a positive int of any integer type (the host budget may be 0).
     """
     resolved = get_target(target)
     budget = device_budget if device_budget is not None else resolved.capacity

@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from ._jit import FilterJit, filter_jit
 from ._memory_report import MemoryReport, memory_report
+from ._options import checks_options
 from ._plan import Plan
 from ._strategy import Strategy
 from ._table import format_bytes
@@ -38,11 +41,6 @@ _NO_CAPACITY = (
     "(`Target.capacity` is None), so there is nothing to fit the step into. Pass the bytes "
     "one device may use, e.g. `device_budget=8 * 2**30`."
 )
-_BAD_BUDGET = (
-    "ox.max_batch(device_budget={budget!r}): expected a positive number of bytes per "
-    "device, e.g. `device_budget=8 * 2**30`, or None for the target's device memory."
-)
-_BAD_COUNT = "ox.max_batch({name}={value!r}): expected a positive int or None."
 _NOT_FILTER_JIT = (
     "ox.max_batch(strategy={strategy!r}): the step is re-wrapped with the strategy, which "
     "needs an `ox.filter_jit` function; got {step!r}. Wrap it first: "
@@ -68,6 +66,13 @@ _TOO_FEW_COMPILES = (
     "ox.max_batch: {count} compiles (`max_compiles={count}`) did not settle the largest "
     "batch of `{name}` on {target!r}: {known}. Raise `max_compiles`, or pass `start=` near "
     "the answer. Probes (batch: device bytes, None = refused): {probes}."
+)
+_IGNORES_BATCH = (
+    "ox.max_batch: `make_args` ignores the batch: `make_args({first})` and "
+    "`make_args({second})` return arguments of the same shapes, and `{name}` compiles to "
+    "{outcome} at both, so the batch it was given does not reach the arguments. Make "
+    "`make_args(batch)` build the batch axis from `batch`, e.g. `lambda batch: (model, "
+    "jax.ShapeDtypeStruct((batch, 512), jnp.float32))`."
 )
 _FLAT = (
     "ox.max_batch: `{name}` still fits {target!r} at batch {batch} ({needs} of {budget}), "
@@ -187,6 +192,7 @@ def _width(low: int, high: int | None) -> int | float:
     return float("inf") if high is None else high - low
 
 
+@checks_options
 def max_batch(
     step: Callable[..., Any],
     make_args: Callable[[int], tuple],
@@ -209,8 +215,9 @@ def max_batch(
         at that batch: arrays or `jax.ShapeDtypeStruct`s (nothing is allocated).
     - `target`: a target name (`"h100"`, `"tpu-v5p"`, `"cpu"`, ...; see
         `ox.memory_report`) or an `ox.Target`.
-    - `device_budget`: bytes one device may use; default the target's device memory
-        (`Target.capacity`; required for `"cpu"`, whose capacity is unknown).
+    - `device_budget`: bytes one device may use, an int of any integer type
+        (`8 * 2**30`); default the target's device memory (`Target.capacity`; required
+        for `"cpu"`, whose capacity is unknown).
     - `strategy`: compile the step under this strategy instead of its own (a name, an
         `ox.Strategy` or an `ox.Plan`): `ox.filter_jit(step.fn, strategy=strategy, ...)`
         with the step's donation and mesh.
@@ -227,7 +234,10 @@ def max_batch(
     and does not: exact, not read off a line. (If memory were not monotone in the batch,
     a larger batch could fit again; the search assumes it is.)
 
-    **Raises:** `ValueError` when batch 1 does not fit, or the budget is unknown;
+    **Raises:** `ValueError` when batch 1 does not fit, or the budget is unknown, or
+    `make_args` ignores the batch (two batches give arguments of the same shapes that
+    compile to the same total: the search stops there); before any compile, `TypeError`
+    for a budget or count that is not an int and `ValueError` for one below 1;
     `RuntimeError` when `max_compiles` is spent first, when a batch of `LARGEST_BATCH`
     (2**20) still fits, or when a compile fails for a reason other than memory (the
     batch is named, the compiler's error chained).
@@ -236,13 +246,6 @@ def max_batch(
     budget = resolved.capacity if device_budget is None else device_budget
     if budget is None:
         raise ValueError(_NO_CAPACITY.format(target=resolved.name))
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(_BAD_BUDGET.format(budget=device_budget))
-    for name, value in (("start", start), ("max_compiles", max_compiles)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(_BAD_COUNT.format(name=name, value=value))
-        if value is not None and value < 1:
-            raise ValueError(_BAD_COUNT.format(name=name, value=value))
     if start is not None and start > LARGEST_BATCH:
         raise ValueError(
             f"ox.max_batch(start={start}): the search stops at batch {LARGEST_BATCH} "
@@ -254,6 +257,7 @@ def max_batch(
         step = filter_jit(step.fn, strategy=strategy, donate=step.donate, mesh=step.mesh)
     name = _name_of(step.fn if isinstance(step, FilterJit) else step)
     log: list[dict[str, Any]] = []
+    shapes: dict[int, Any] = {}  # each batch's arguments, as `_shapes` sees them
 
     def measure(batch: int) -> int | None:
         args = make_args(batch)
@@ -286,6 +290,19 @@ def max_batch(
             probes.append(entry)
         if progress is not None:
             progress(_progress_line(entry, resolved.name, budget))
+        shapes[batch] = _shapes(args)
+        for earlier in log[:-1]:
+            # Memory may stay flat over many batches (a peak set by something else), so
+            # equal totals stop the search only when the arguments are the same too.
+            if earlier["total"] == total and _same(shapes[earlier["batch"]], shapes[batch]):
+                outcome = "an out-of-memory refusal"
+                if total is not None:
+                    outcome = f"the same {format_bytes(total)} ({total} bytes)"
+                raise ValueError(
+                    _IGNORES_BATCH.format(
+                        first=earlier["batch"], second=batch, name=name, outcome=outcome
+                    )
+                )
         return total
 
     try:
@@ -338,6 +355,28 @@ def _known(log: list[dict[str, Any]]) -> str:
     if low == 0:
         return f"batch {high} does not fit and no smaller batch was compiled"
     return f"batch {low} fits and batch {high} does not, so the answer is in [{low}, {high - 1}]"
+
+
+def _shapes(args: tuple) -> tuple:
+    """What of the arguments can carry the batch: their structure, each array's shape and
+    dtype, each number or string (other objects by type: a fresh closure per batch is not
+    a different batch)."""
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple(
+        (tuple(leaf.shape), str(leaf.dtype))
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        else leaf
+        if isinstance(leaf, (bool, int, float, complex, str))
+        else type(leaf)
+        for leaf in leaves
+    )
+
+
+def _same(first: tuple, second: tuple) -> bool:
+    try:
+        return bool(first == second)
+    except Exception:  # a static field whose `==` is not a bool (an array): not provably equal
+        return False
 
 
 def _name_of(fn: Any) -> str:
