@@ -16,10 +16,11 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._activations import Activations, check_policy
+from ._memory_space import is_host_typed
 from ._placement import METADATA_KEY, Memory, Placement, check_memory
-from ._plan_walk import ANNOTATION_ATTRIBUTE
+from ._plan_walk import ANNOTATION_ATTRIBUTE, format_keys, holds_an_array
 from ._regions import checkpoint
-from ._trace_state import inside_region
+from ._trace_state import current, inside_region
 
 _SUBCLASSES: dict[tuple, type] = {}
 # Set on the classes whose `__call__` brings its own region.
@@ -48,14 +49,20 @@ class Call(eqx.Module):
 
 def _with_region(call: Any) -> Any:
     """An annotated module's `__call__`: the original one, inside a region (so the
-    module's host-resident leaves are fetched there), unless a region encloses it."""
+    module's host-resident leaves are fetched there, and its activations follow the
+    step's strategy), unless a region encloses it. Outside `ox.filter_jit`, a module
+    whose arrays are all on the device runs as written, exactly as the unannotated one."""
 
     def __call__(self, *args, **kwargs):
-        if inside_region():
+        if inside_region() or (current() is None and not _holds_host_arrays(self)):
             return call(self, *args, **kwargs)
         return checkpoint(Call(self, call), *args, **kwargs)
 
     return __call__
+
+
+def _holds_host_arrays(module: Any) -> bool:
+    return any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
 
 
 def _annotated_class(
@@ -110,8 +117,41 @@ def copy_as(module: eqx.Module, cls: type) -> eqx.Module:
     return new
 
 
-def _dynamic_fields(module: eqx.Module) -> list[str]:
-    return [f.name for f in dataclasses.fields(module) if not f.metadata.get("static", False)]
+def _array_fields(module: eqx.Module) -> list[str]:
+    """The fields of a selected module that hold arrays: a memory applies to those. The
+    others (an `eqx.nn.MLP`'s activation, a `BatchNorm`'s axis name, a `Shared`'s `where`
+    function, a `Linear`'s missing bias) are left alone."""
+    names = []
+    for f in dataclasses.fields(module):
+        if f.metadata.get("static", False):
+            continue
+        value = getattr(module, f.name, None)
+        if any(holds_an_array(x) for x in jax.tree_util.tree_leaves(value)):
+            names.append(f.name)
+    return names
+
+
+def _elements(value: Any) -> Any:
+    """A selected list, tuple or dict of modules stands for its elements: each module in
+    it is selected on its own (and brings its own region), so that `lambda m: m.blocks`
+    means what `lambda m: m.blocks[:]` means, not one region fetching every block at
+    once. An `eqx.nn.Shared` stands for the modules it ties (its `__call__` only returns
+    them, to be called outside it). Anything else is returned as it is."""
+    if isinstance(value, eqx.nn.Shared):
+        inner = _elements(value.pytree)
+        return value if inner is value.pytree else eqx.tree_at(lambda s: s.pytree, value, inner)
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif type(value) in (list, tuple):
+        items = list(value)
+    else:
+        return value
+    if not any(isinstance(item, eqx.Module) for item in items):
+        return value
+    mark = lambda item: _Marker(item) if isinstance(item, eqx.Module) else item  # noqa: E731
+    if isinstance(value, dict):
+        return {key: mark(item) for key, item in value.items()}
+    return type(value)(mark(item) for item in items)
 
 
 def annotate(
@@ -171,6 +211,8 @@ def annotate(
     marked = eqx.tree_at(where, tree, replace_fn=_Marker)
 
     def rebuild(node: Any, path: str) -> Any:
+        if isinstance(node, _Marker) and _elements(node.value) is not node.value:
+            return rebuild(_elements(node.value), path)
         if isinstance(node, _Marker):
             inner = rebuild(node.value, path)
             if not isinstance(inner, eqx.Module):
@@ -181,10 +223,12 @@ def annotate(
                     "module, e.g. `lambda m: m.layers[0]` or `lambda m: m.layers[0].weight`."
                 )
             fields = (
-                frozenset((name, placement) for name in _dynamic_fields(inner))
+                frozenset((name, placement) for name in _array_fields(inner))
                 if placement
                 else frozenset()
             )
+            if not fields and activations is None:
+                return inner  # no arrays to place (an `eqx.nn.Lambda` in a list of layers)
             return copy_as(inner, _annotated_class(type(inner), fields, activations, region))
         if isinstance(node, eqx.Module):
             overrides = []
@@ -195,7 +239,9 @@ def annotate(
                 except AttributeError:
                     continue
                 child_path = f"{path}.{f.name}"
-                if isinstance(value, _Marker) and not isinstance(value.value, eqx.Module):
+                if isinstance(value, _Marker) and _elements(value.value) is not value.value:
+                    value = _elements(value.value)  # a list of modules: its elements
+                elif isinstance(value, _Marker) and not isinstance(value.value, eqx.Module):
                     if activations is not None and placement is None:
                         raise ValueError(
                             f"ox.annotate: `where` selected the field `{child_path}`, but "
@@ -217,8 +263,10 @@ def annotate(
         children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
         if len(children) == 1 and children[0][1] is node:
             return node
-        return jax.tree_util.tree_map(
-            lambda child: rebuild(child, path), node, is_leaf=lambda x: x is not node
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, child: rebuild(child, path + format_keys(keys)),
+            node,
+            is_leaf=lambda x: x is not node,
         )
 
     return rebuild(marked, "tree")

@@ -36,6 +36,16 @@ _NON_ARRAY_FIELD = (
 _MIRROR = Placement(memory="device", role="param")
 
 
+# Where `eqx.nn.Shared` ties a leaf to another, its pytree holds this marker instead of
+# the array, which `Shared.__call__` puts back: an array, as far as placements go.
+_SHARED_NODE: Any = getattr(getattr(eqx.nn, "_shared", None), "SharedNode", ())
+
+
+def holds_an_array(x: Any) -> bool:
+    """An array leaf, or the place of one (a leaf `eqx.nn.Shared` ties to another)."""
+    return is_array_leaf(x) or isinstance(x, _SHARED_NODE)
+
+
 def is_array_leaf(x: Any) -> bool:
     """An array the plan places: a `jax.Array` (tracers included), a NumPy array or
     scalar (uploaded once, explicitly), or a `jax.ShapeDtypeStruct`."""
@@ -71,6 +81,10 @@ def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) 
     if is_array_leaf(node) or node is None:
         found.placements[path] = None if inherited is _MIRROR else inherited
         return
+    if isinstance(node, eqx.nn.StateIndex):
+        # A stateful layer's initial state (`BatchNorm`'s running statistics before
+        # `eqx.nn.make_with_state`) is not a parameter: no memory declared above applies.
+        inherited = None
     if isinstance(node, eqx.Module):
         extra = getattr(type(node), ANNOTATION_ATTRIBUTE, None)
         if extra is not None:
@@ -106,8 +120,8 @@ def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) 
 def _check_holds_arrays(path: str, value: Any, declared: Placement) -> None:
     """A field declared with a memory must hold arrays (or nothing) under it."""
     leaves = _leaves_of(value)
-    non_arrays = [x for x in leaves if not is_array_leaf(x)]
-    if non_arrays and not any(is_array_leaf(x) for x in leaves):
+    non_arrays = [x for x in leaves if not holds_an_array(x)]
+    if non_arrays and not any(holds_an_array(x) for x in leaves):
         shown = value if len(repr(value)) <= 60 else non_arrays[0]
         raise ValueError(
             _NON_ARRAY_FIELD.format(
@@ -121,7 +135,8 @@ def match_subtrees(
 ) -> dict[int, Any]:
     """For each leaf index of `treedef`, the entry at the same place in the first
     candidate structure that a subtree containing it has. With `unique`, each candidate
-    matches one subtree at most (the first, in leaf order)."""
+    matches one subtree at most (the first, in leaf order). A candidate whose structure
+    is None matches nothing."""
     placeholders = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
     matched: dict[int, Any] = {}
     used: set[int] = set()
@@ -129,7 +144,11 @@ def match_subtrees(
     def visit(subtree: Any) -> None:
         indices, sub_treedef = jax.tree_util.tree_flatten(subtree)
         for number, (candidate, entries) in enumerate(candidates):
-            if sub_treedef == candidate and not (unique and number in used):
+            if (
+                candidate is not None
+                and sub_treedef == candidate
+                and not (unique and number in used)
+            ):
                 used.add(number)
                 for index, entry in zip(indices, entries):
                     if entry is not None:
