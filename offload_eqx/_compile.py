@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from ._errors import mixes_memory_spaces
+from ._errors import is_host_use_error
 from ._host_compute import check_host_compute
 from ._host_use import locate_host_use
 from ._memory_space import is_host_aval
@@ -181,7 +181,7 @@ def compile_entry(
     try:
         traced = jax.jit(flat).trace(*abstract)
     except ValueError as error:
-        if not mixes_memory_spaces(error):
+        if not is_host_use_error(error):
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
     plan.check_offloads(traced.jaxpr.jaxpr)
@@ -193,7 +193,7 @@ def compile_entry(
     entry.out_shardings = plan.output_shardings(
         out_treedef, out_mask, entry.out_avals, _device_of(dynamic)
     )
-    entry.donate_argnums = plan.donated(donate, entry.out_avals, keep_root)
+    entry.donate_argnums = plan.donated(donate, out_treedef, out_mask, entry.out_avals, keep_root)
     entry.jitted = jax.jit(
         flat,
         in_shardings=in_shardings,

@@ -53,9 +53,30 @@ def mixes_memory_spaces(error: BaseException) -> bool:
     return isinstance(error, ValueError) and _MIXED_MEMORY_SPACES in str(error)
 
 
-def mixed_memory_spaces_summary(error: BaseException) -> str:
-    """The first sentence of JAX's mixed-memory-spaces message, for our own messages."""
+# JAX's words when differentiating a host-typed value that a computation outside any
+# region used (`ValueError: Expected cotangent type float32<host>[] but got float32[]`): a
+# scalar computed on host memory turns device-typed in the next scalar operation, and
+# the backward pass then sends a device-typed cotangent to a host-typed value.
+_HOST_COTANGENT = "Expected cotangent type"
+
+
+def is_host_cotangent_mismatch(error: BaseException) -> bool:
+    """Whether `error` is JAX's backward-pass error for a cotangent in the wrong memory."""
     text = str(error)
+    return isinstance(error, ValueError) and _HOST_COTANGENT in text and "<host>" in text
+
+
+def is_host_use_error(error: BaseException) -> bool:
+    """Whether `error` is one of JAX's errors for a host-typed value used on the device."""
+    return mixes_memory_spaces(error) or is_host_cotangent_mismatch(error)
+
+
+def mixed_memory_spaces_summary(error: BaseException) -> str:
+    """The first sentence of JAX's mixed-memory-spaces (or host-cotangent) message, for
+    our own messages."""
+    text = str(error)
+    if is_host_cotangent_mismatch(error):
+        return text.split("\n")[0]
     start = text.find("memory_space of all inputs")
     if start < 0:
         return text.split("\n")[0]

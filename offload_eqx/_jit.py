@@ -13,13 +13,11 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
-from jax.core import Tracer
 
-from ._compile import Compilation, NewArgumentTypes, compile_entry
-from ._errors import ImplicitTransferError, is_placement_mismatch
-from ._guard import explain, no_implicit_transfers
-from ._mesh import check_mesh, put, same_place
+from ._compile import Compilation, compile_entry
+from ._dispatch import Method, as_pytree, bind, call, describe, root_of, types_of
+from ._errors import ImplicitTransferError
+from ._mesh import check_mesh
 from ._plan import Plan
 from ._plan_walk import ARRAY_TYPES, format_keys
 from ._strategy import Strategy, resolve_strategy
@@ -47,17 +45,14 @@ _CACHE_GROWS = (
 )
 
 
-def _describe(fn: Any) -> str:
-    name = getattr(fn, "__name__", None)
-    return name if isinstance(name, str) else type(fn).__name__
-
-
 class _Cache:
     """The compilations of one wrapper (identity-hashed, so it can be a static field)."""
 
     def __init__(self):
         # key -> its entry, or, once several shapes were seen, {shapes and dtypes: entry}
         self.entries: dict[Any, Any] = {}
+        # The outputs of the latest call that donated its inputs (see `last_outputs`).
+        self.last_outputs: Any = None
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
@@ -82,7 +77,7 @@ class FilterJit(eqx.Module):
 
     @property
     def __wrapped__(self):
-        return self.fn
+        return self.fn.bound if isinstance(self.fn, Method) else self.fn
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -92,7 +87,7 @@ class FilterJit(eqx.Module):
     # -- the per-call path: `_call`, a module-level function (see there) ----------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _call(self, args, kwargs)
+        return call(self, args, kwargs)
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """Called inside another trace: run inline, like a nested `jax.jit`, under this
@@ -121,7 +116,7 @@ class FilterJit(eqx.Module):
     def arguments(self, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
         """Each argument with its label (the function's parameter names), in the order
         of the array leaves of the call: `[("model", model), ("x", x)]`."""
-        args, kwargs = _bind(self.signature, args, kwargs)
+        args, kwargs = bind(self.signature, args, kwargs)
         parameters = [] if self.signature is None else list(self.signature.parameters.values())
         positional = [
             p.name
@@ -129,7 +124,7 @@ class FilterJit(eqx.Module):
             if p.kind
             in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ]
-        roots = [("fn", self.fn)] if self.fn_has_arrays else []
+        roots = [("fn", root_of(self.fn))] if self.fn_has_arrays else []
         for i, arg in enumerate(args):
             roots.append((positional[i] if i < len(positional) else f"args[{i}]", arg))
         roots.extend((key, kwargs[key]) for key in sorted(kwargs))
@@ -140,7 +135,7 @@ class FilterJit(eqx.Module):
         return Plan(self.arguments(*args, **kwargs), self.strategy, self.mesh)
 
     def _compile_new(self, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Compilation:
-        name = _describe(self.fn)
+        name = describe(self.fn)
         similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1] and k != key]
         if similar:
             roots = self.arguments(*args, **kwargs)
@@ -184,6 +179,17 @@ class FilterJit(eqx.Module):
         return entry
 
     @property
+    def last_outputs(self) -> Any:
+        """The outputs of the latest call that donated its inputs, until the next call.
+
+        A Ctrl-C in a training loop can arrive after a step has donated (deleted) its
+        inputs and before the loop has rebound its names to the outputs; the wrapper
+        holds Ctrl-C back until the step returns, and keeps its outputs here, so that
+        `model, opt_state, loss = step.last_outputs` recovers the state. (A wrapper that
+        donates nothing keeps nothing.)"""
+        return self.cache.last_outputs
+
+    @property
     def compilations(self) -> int:
         """How many programs this wrapper has compiled (one per static part and shapes)."""
         entries = self.cache.entries.values()
@@ -197,14 +203,14 @@ class FilterJit(eqx.Module):
             if j != i and (i in donated or j in donated):
                 raise ValueError(
                     _SAME_BUFFER.format(
-                        name=_describe(self.fn),
+                        name=describe(self.fn),
                         first=entry.plan.leaves[j].path,
                         second=entry.plan.leaves[i].path,
                     )
                 )
 
     def _entry_for(self, args: tuple, kwargs: dict) -> tuple[Compilation, list]:
-        args, kwargs = _bind(self.signature, args, kwargs)
+        args, kwargs = bind(self.signature, args, kwargs)
         tree = self._tree(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
@@ -213,8 +219,8 @@ class FilterJit(eqx.Module):
         key = (treedef, mask, statics)
         entry = self.cache.entries.get(key)
         if type(entry) is dict:
-            entry = entry.get(_types(dynamic))
-        elif entry is not None and entry.types != _types(dynamic):
+            entry = entry.get(types_of(dynamic))
+        elif entry is not None and entry.types != types_of(dynamic):
             entry = None
         if entry is None:
             entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
@@ -235,108 +241,6 @@ class FilterJit(eqx.Module):
         return self.trace(*args, **kwargs).lower()
 
 
-# The per-call path reads the wrapper's fields with `object.__getattribute__` and calls
-# module-level functions: an `eqx.Module` builds a bound-method module for every method
-# looked up on an instance and checks every attribute read in Python, which would cost
-# more than the rest of the call.
-_get = object.__getattribute__
-# What each type of leaf is, found once per type: `isinstance` against the `jax.Array`
-# ABC costs more per leaf than the rest of the loop.
-_ARRAY, _STATIC, _TRACER = "array", "static", "tracer"
-_KINDS: dict[type, str] = {ArrayImpl: _ARRAY}
-
-
-def _kind(leaf: Any) -> str:
-    if isinstance(leaf, Tracer):
-        return _TRACER
-    return _ARRAY if isinstance(leaf, ARRAY_TYPES) else _STATIC
-
-
-def _bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if kwargs and signature is not None:
-        bound = signature.bind(*args, **kwargs)
-        return bound.args, bound.kwargs
-    return args, kwargs
-
-
-def _call(self: FilterJit, args: tuple, kwargs: dict) -> Any:
-    if _get(self, "audit"):
-        with no_implicit_transfers(self.arguments(*args, **kwargs)):
-            return _dispatch(self, args, kwargs)
-    return _dispatch(self, args, kwargs)
-
-
-def _dispatch(self: FilterJit, args: tuple, kwargs: dict) -> Any:
-    args, kwargs = _bind(_get(self, "signature"), args, kwargs)
-    tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic, statics, mask = [], [], []
-    for leaf in leaves:
-        kind = _KINDS.get(type(leaf))
-        if kind is None:
-            kind = _KINDS.setdefault(type(leaf), _kind(leaf))
-        if kind is _ARRAY:
-            dynamic.append(leaf)
-            mask.append(True)
-        elif kind is _STATIC:
-            statics.append(leaf)
-            mask.append(False)
-        else:
-            return self._inline(args, kwargs)
-    # The key leaves out shapes and dtypes (reading them costs more than the lookup):
-    # a call with new ones makes the entry's program retrace, which refuses them
-    # (`NewArgumentTypes`), or jit refuses them; then an entry is compiled for them and
-    # the key holds its entries by shapes and dtypes.
-    key = (treedef, tuple(mask), tuple(statics))
-    entries = _get(self, "cache").entries
-    try:
-        entry = entries.get(key)
-    except TypeError as e:
-        raise TypeError(
-            f"ox.filter_jit({_describe(_get(self, 'fn'))}): a non-array argument is not "
-            f"hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
-            "they must be hashable: pass arrays for values that change, or make the object "
-            "hashable."
-        ) from None
-    if type(entry) is dict:  # several shapes seen under this key
-        entry = entry.get(_types(dynamic))
-    if entry is None:
-        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-        dynamic = _move(dynamic, entry.in_shardings)
-    if entry.donate_argnums and len(set(map(id, dynamic))) < len(dynamic):
-        self._check_distinct(entry, dynamic)
-    try:
-        out = entry.jitted(*dynamic)
-    except NewArgumentTypes:
-        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-        out = entry.jitted(*_move(dynamic, entry.in_shardings))
-    except jax.errors.JaxRuntimeError as error:
-        # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused an
-        # argument's upload: say which leaf, which only this call knows.
-        message = explain(error, self.arguments(*args, **kwargs))
-        if message is None:
-            raise
-        raise ImplicitTransferError(message) from None
-    except ValueError as e:
-        if entry.types != _types(dynamic):  # refused by jit before any retrace
-            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-            return entry.rebuild(entry.jitted(*_move(dynamic, entry.in_shardings)))
-        if not is_placement_mismatch(e):
-            raise
-        # Arguments not yet where the plan puts them (a new strategy on a model placed for
-        # another): move them once, explicitly; the outputs come back in planned memory,
-        # so the next call moves nothing. Under audit, a cached step that keeps receiving
-        # misplaced arguments is an error: it would copy them on every call.
-        if _get(self, "audit"):
-            _raise_misplaced(entry, dynamic)
-        out = entry.jitted(*_move(dynamic, entry.in_shardings))
-    return entry.rebuild(out)
-
-
-def _types(dynamic: list) -> tuple:
-    return tuple((tuple(x.shape), x.dtype) for x in dynamic)
-
-
 def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:
     """The paths and values of the static leaves that differ between two cache keys."""
     paths = [
@@ -349,32 +253,6 @@ def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> st
         f"`{path}` ({a!r} -> {b!r})" for path, a, b in zip(paths, old, new) if a is not b and a != b
     ]
     return ", ".join(changed[:3])
-
-
-def _raise_misplaced(entry: Compilation, dynamic: list) -> None:
-    misplaced = [
-        f"`{leaf_plan.path}` is in {x.sharding.memory_kind!r}, planned {s.memory_kind!r}"
-        for x, s, leaf_plan in zip(dynamic, entry.in_shardings, entry.plan.leaves)
-        if s is not None and isinstance(x, jax.Array) and x.sharding.memory_kind != s.memory_kind
-    ]
-    if misplaced:
-        raise ImplicitTransferError(
-            "Arguments of a compiled step are not in their planned memory: "
-            + "; ".join(misplaced)
-            + ". They would be copied on every call. Pass the step's own outputs back in, "
-            "or place the arguments once before the loop: `ox.place(tree, strategy)`."
-        )
-
-
-def _move(dynamic: list, shardings: tuple) -> list:
-    """Explicitly move the arguments whose memory kind (or, over a mesh, whose sharding)
-    differs from the plan's."""
-    return [
-        put(x, s)
-        if s is not None and isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim)
-        else x
-        for x, s in zip(dynamic, shardings)
-    ]
 
 
 def filter_jit(
@@ -432,6 +310,8 @@ def filter_jit(
             f"ox.filter_jit was given {fn!r} (a {type(fn).__name__}), which is not callable. "
             "Pass the function (or module) to compile."
         )
+    signature = _signature(fn)
+    fn = as_pytree(fn)
     has_arrays = any(isinstance(x, ARRAY_TYPES) for x in jax.tree_util.tree_leaves(fn))
     wrapper = FilterJit(
         fn=fn,
@@ -440,7 +320,7 @@ def filter_jit(
         mesh=mesh,
         audit=audit,
         fn_has_arrays=has_arrays,
-        signature=_signature(fn),
+        signature=signature,
         cache=_Cache(),
     )
     return eqx.module_update_wrapper(wrapper)

@@ -258,6 +258,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
     parameter on the device gets its update fetched if that is host-typed. `None`
     updates leave the leaf unchanged, as in `eqx.apply_updates`.
     """
+    _check_updates(model, updates)
     on_host = apply_on_host(model, updates)
 
     def apply(path, update, param, new):
@@ -274,3 +275,54 @@ def apply_updates(model: Any, updates: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
         apply, updates, model, on_host, is_leaf=lambda x: x is None
     )
+
+
+_OTHER_UPDATES = (
+    "ox.apply_updates(model, updates): {problem}, so the updates were made for another "
+    "model. Pass the updates that `opt.update(grads, opt_state, model)` returned for "
+    "gradients of this model (`eqx.filter_grad(loss)(model, ...)`)."
+)
+
+
+def _check_updates(model: Any, updates: Any) -> None:
+    """The updates have the model's structure and each array leaf's shape."""
+    is_none = lambda x: x is None  # noqa: E731
+    model_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_none)[0]
+    update_leaves, update_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_none)
+    if update_def != jax.tree_util.tree_structure(model, is_leaf=is_none):
+        where = _first_difference(updates, model, ())
+        raise ValueError(
+            _OTHER_UPDATES.format(
+                problem=f"`updates{where}` and `model{where}` differ in structure "
+                "(other fields, static values or containers)"
+            )
+        )
+    for (path, update), (_, param) in zip(update_leaves, model_leaves):
+        if update is None or not hasattr(update, "shape") or not hasattr(param, "shape"):
+            continue
+        if tuple(update.shape) != tuple(param.shape):
+            key = jax.tree_util.keystr(path)
+            raise ValueError(
+                _OTHER_UPDATES.format(
+                    problem=f"`updates{key}` has shape {tuple(update.shape)} but "
+                    f"`model{key}` has shape {tuple(param.shape)}"
+                )
+            )
+
+
+def _first_difference(a: Any, b: Any, path: tuple) -> str:
+    """The key path of the first node at which two pytrees differ in structure."""
+    is_none = lambda x: x is None  # noqa: E731
+    one_level = lambda x: jax.tree_util.tree_flatten_with_path(  # noqa: E731
+        x, is_leaf=lambda y: y is not x or y is None
+    )
+    a_children, a_def = one_level(a)
+    b_children, b_def = one_level(b)
+    if a_def == b_def:
+        for (key, x), (_, y) in zip(a_children, b_children):
+            same = jax.tree_util.tree_structure(x, is_leaf=is_none) == (
+                jax.tree_util.tree_structure(y, is_leaf=is_none)
+            )
+            if not same and x is not a:
+                return _first_difference(x, y, path + tuple(key))
+    return jax.tree_util.keystr(path)

@@ -13,19 +13,17 @@ A plan is built from pytrees without tracing, is immutable, compares equal to a 
 the same placements, and prints as a table.
 """
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._activations import Policy
+from ._leaf_plan import LeafPlan, current_sharding, effective_memory, mirrored
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
-from ._placement import Memory, Placement, Role
 from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
 from ._remat_policy import check_names, check_offloads, effective_policy, remat_policy
 from ._strategy import Strategy, resolve_strategy
@@ -46,72 +44,6 @@ _NO_MESH = (
 _OFFLOADS_NOTHING = (
     "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. {fix}"
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafPlan:
-    """The plan for one array leaf.
-
-    - `path`: its path from the argument it belongs to (`model.layers.w1`).
-    - `memory`: where it lives under the strategy; None for a leaf nothing manages
-        (it stays in the memory it is in).
-    - `declared`: the memory its annotation declares (None: not annotated).
-    - `role`: `"param"` (a model field), `"optimizer"` (optimizer state) or None.
-    - `spec`: the `PartitionSpec` it is sharded with over the plan's mesh, declared or
-        mirrored from its parameter (None: none declared).
-    - `sharding`: its planned sharding, the one `ox.filter_jit` compiles it with.
-    - `mirrors`: for optimizer state, the path of the parameter it mirrors.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: Any
-    memory: Memory | None
-    declared: Memory | None
-    role: Role | None
-    spec: PartitionSpec | None
-    sharding: Any = None
-    mirrors: str | None = None
-    root: int = dataclasses.field(default=0, repr=False)
-    uploaded: bool = dataclasses.field(default=False, repr=False)  # a NumPy leaf
-    keys: tuple = dataclasses.field(default=(), repr=False, compare=False)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-def _current_sharding(leaf: Any) -> Any:
-    if isinstance(leaf, Tracer):
-        return None  # a call inside another trace: the outer program decides
-    return getattr(leaf, "sharding", None)
-
-
-def _effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy) -> Memory | None:
-    if placement is None:
-        return None
-    mode = strategy.params if placement.role == "param" else strategy.optimizer
-    if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
-        return "pinned_host"  # updated on the host: all of it lives there, never moved
-    if placement.role == "optimizer" and np.ndim(leaf) == 0:
-        # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
-        # are bytes, every update reads them, and a donated host scalar that XLA aliases
-        # to a device output aborts the process (see ../shared/reference).
-        return "device"
-    return placement.memory if mode == "annotated" else cast(Memory, mode)
-
-
-def _mirrored(keys: tuple, shape: tuple, params: dict[tuple, int], leaves: list) -> int | None:
-    """The parameter whose key path occurs in an optimizer-state leaf's key path (the
-    longest such path), if its shape is the state leaf's: Adam's `mu.layers.w1` mirrors
-    `layers.w1`, a streamed `leaves.layers.w1[0].mu` too."""
-    n = len(keys)
-    for length in range(n, 0, -1):
-        for start in range(0, n - length + 1):
-            index = params.get(keys[start : start + length])
-            if index is not None and leaves[index]["shape"] == shape:
-                return index
-    return None
 
 
 class Plan:
@@ -154,14 +86,14 @@ class Plan:
                         path=path,
                         shape=tuple(np.shape(leaf)),
                         dtype=leaf.dtype,
-                        memory=_effective_memory(placement, leaf, strategy),
+                        memory=effective_memory(placement, leaf, strategy),
                         declared=None if placement is None else placement.memory,
                         role=None if placement is None else placement.role,
                         spec=None if placement is None else placement.spec,
                         root=r,
                         uploaded=isinstance(leaf, (np.ndarray, np.generic)),
                         keys=tuple(keys),
-                        current=_current_sharding(leaf),
+                        current=current_sharding(leaf),
                     )
                 )
             self._structure.append((treedef, tuple(indices)))
@@ -174,12 +106,12 @@ class Plan:
             entry = entries[i]
             mirror = None
             if entry["role"] == "optimizer":
-                mirror = _mirrored(entry["keys"], entry["shape"], params, entries)
+                mirror = mirrored(entry["keys"], entry["shape"], params, entries)
                 if mirror is not None:
                     entry["mirrors"] = entries[mirror]["path"]
-                    mirrored = shardings[mirror]
-                    if isinstance(mirrored, NamedSharding) and self.mesh is not None:
-                        entry["spec"] = mirrored.spec
+                    like = shardings[mirror]
+                    if isinstance(like, NamedSharding) and self.mesh is not None:
+                        entry["spec"] = like.spec
             shardings[i] = self._sharding(entry)
         self.leaves: tuple[LeafPlan, ...] = tuple(
             LeafPlan(**{k: v for k, v in e.items() if k != "current"}, sharding=s)
@@ -255,37 +187,49 @@ class Plan:
             treedef, [None if i is None else self.leaves[i].sharding for i in indices]
         )
 
-    def donated(self, donate: str, out_avals: Sequence[Any], keep_root: int | None) -> tuple:
-        """The argument leaves to donate: under `donate="all"` every leaf that an output
-        of the same shape, dtype and memory can reuse, except the leaves of argument
-        `keep_root` (`"all-except-first"`) and NumPy leaves (copied in anyway)."""
+    def donated(
+        self, donate: str, out_treedef: Any, out_mask: Sequence[bool], out_avals, keep_root
+    ) -> tuple:
+        """The argument leaves to donate: under `donate="all"` each leaf the step returns a
+        new value of, in the same memory (the updated model, the new optimizer state:
+        `output_arguments`, matched by structure), except the leaves of argument
+        `keep_root` (`"all-except-first"`) and NumPy leaves (copied in anyway). An
+        argument that is a bare array (a batch, a loss scale) is never donated, even when
+        an output has its shape: nothing says the output is its new value."""
         if donate == "none":
             return ()
-        outputs: dict[tuple, int] = {}
-        for aval in out_avals:
-            key = (tuple(aval.shape), aval.dtype, is_host_aval(aval))
-            outputs[key] = outputs.get(key, 0) + 1
-        donated = []
-        for i, leaf in enumerate(self.leaves):
-            if leaf.uploaded or (keep_root is not None and leaf.root == keep_root):
+        news = self.output_arguments(out_treedef, out_mask, out_avals, containers_only=True)
+        index = {id(leaf): i for i, leaf in enumerate(self.leaves)}
+        donated = set()
+        for leaf, aval in zip(news, out_avals):
+            if leaf is None or leaf.uploaded or leaf.root == keep_root:
                 continue
             host = getattr(leaf.sharding, "memory_kind", None) == "pinned_host"
-            key = (leaf.shape, leaf.dtype, host)
-            if outputs.get(key, 0) == 0:
-                continue  # no output could reuse it: donating would only warn
-            outputs[key] -= 1
-            donated.append(i)
-        return tuple(donated)
+            if host == is_host_aval(aval):  # else the output cannot reuse its buffer
+                donated.add(index[id(leaf)])
+        return tuple(sorted(donated))
 
     def output_arguments(
-        self, out_treedef: Any, out_mask: Sequence[bool], out_avals, unique: bool = True
+        self,
+        out_treedef: Any,
+        out_mask: Sequence[bool],
+        out_avals,
+        unique: bool = True,
+        containers_only: bool = False,
     ) -> tuple:
         """For each array output, the `LeafPlan` of the argument leaf it is the new value
         of (or None): the first output subtree with the structure of an argument (the
         updated model, the new optimizer state) matches it leaf by leaf, where shapes
         and dtypes agree. With `unique=False` every such subtree matches (updates shaped
-        like the parameters are sharded like them)."""
-        matched = match_subtrees(out_treedef, self._structure, unique)
+        like the parameters are sharded like them). With `containers_only`, arguments
+        that are a bare array are not matched (any array output has their structure)."""
+        structure = self._structure
+        if containers_only:
+            structure = [
+                (None, ()) if jax.tree_util.treedef_is_leaf(treedef) else (treedef, entries)
+                for treedef, entries in structure
+            ]
+        matched = match_subtrees(out_treedef, structure, unique)
         dynamic = [i for i, m in enumerate(out_mask) if m]
         result = []
         for index, aval in zip(dynamic, out_avals):

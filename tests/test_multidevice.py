@@ -465,3 +465,23 @@ def test_readme_mesh_example_runs_as_written():
         if block.startswith("# A mesh:")
     ]
     exec(compile(example, "README.md", "exec"), {})
+
+
+@on_eight_devices
+def test_arguments_on_two_devices_are_named_by_path():
+    """JAX said `argument dynamic[0] of make_flat.<locals>.flat`; the error names the
+    leaf, its device and the fix (issue 17, item 7)."""
+    from offload_eqx._call_errors import is_incompatible_devices
+
+    step = ox.filter_jit(lambda model, x: jax.vmap(model)(x))
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    x = jax.device_put(jnp.ones((3, 4)), jax.devices()[1])
+    with pytest.raises(
+        ValueError,
+        match=r"the arguments are on different devices \(`x` is on .*1, while the others are "
+        r"on .*0\).*jax.device_put\(x, jax.devices\(\)\[0\]\)",
+    ):
+        step(model, x)
+    with pytest.raises(ValueError) as caught:
+        jax.jit(lambda a, b: a + b)(jax.device_put(jnp.ones(4), jax.devices()[0]), x[0])
+    assert is_incompatible_devices(caught.value)  # JAX's words, pinned

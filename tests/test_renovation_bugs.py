@@ -101,21 +101,23 @@ def test_typed_prng_keys_plan_compile_and_place():
 
 def test_donate_all_except_first_keeps_the_first_argument_however_passed():
     step = ox.filter_jit(
-        lambda model, x: (jax.tree.map(lambda a: a + 1, model), x * 2),
+        lambda model, state: (jax.tree.map(lambda a: a + 1, model), {"s": state["s"] * 2}),
         donate="all-except-first",
     )
     model = {"w": jnp.ones(3)}
-    x = jnp.ones(3)
-    step(model=model, x=x)
+    state = {"s": jnp.ones(3)}
+    step(model=model, state=state)
     assert not model["w"].is_deleted()
-    assert x.is_deleted()  # the rest is donated
+    assert state["s"].is_deleted()  # the rest is donated
 
 
 def test_the_same_array_in_two_donated_arguments_is_refused_before_running():
-    step = ox.filter_jit(lambda a, b: (a + 1, b + 1), donate="all")
+    step = ox.filter_jit(lambda a, b: ({"w": a["w"] + 1}, {"w": b["w"] + 1}), donate="all")
     x = jnp.ones(3)
-    with pytest.raises(ValueError, match=r"the same array is passed as `a` and `b`.*jnp.copy"):
-        step(x, x)
+    with pytest.raises(
+        ValueError, match=r"the same array is passed as `a\['w'\]` and `b\['w'\]`.*jnp.copy"
+    ):
+        step({"w": x}, {"w": x})
     assert not x.is_deleted()
 
 
@@ -239,15 +241,16 @@ def test_donated_buffers_survive_trace_errors_but_not_run_time_errors():
 
     def step(model, x):
         bad = jax.pure_callback(fail, jax.ShapeDtypeStruct((3,), jnp.float32), x)
-        return model + bad, x
+        return {"w": model["w"] + bad}, x
 
-    model, x = jnp.ones(3), jnp.ones(3)
+    model, x = {"w": jnp.ones(3)}, jnp.ones(3)
     with pytest.raises(TypeError):  # at trace time: nothing runs, nothing is donated
-        ox.filter_jit(lambda m, x: (m @ jnp.ones((4, 4)), x), donate="all")(model, x)
-    assert not model.is_deleted()
+        ox.filter_jit(lambda m, x: ({"w": m["w"] @ jnp.ones((4, 4))}, x), donate="all")(model, x)
+    assert not model["w"].is_deleted()
     with pytest.raises(Exception, match="pure_callback failed|boom"):
         ox.filter_jit(step, donate="all")(model, x)
-    assert model.is_deleted() and x.is_deleted()
+    # The model, whose new value the step returns, is donated; the batch `x` is not.
+    assert model["w"].is_deleted() and not x.is_deleted()
 
 
 def test_a_name_the_backward_pass_never_reads_is_refused_alike_by_jit_and_audit():

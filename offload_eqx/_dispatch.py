@@ -1,0 +1,219 @@
+"""The per-call path of `ox.filter_jit`: flatten, look the compiled entry up, call it.
+
+Per call the wrapper flattens its function and arguments once, classifies each leaf by
+type, looks the static part up in its cache and calls a `jax.jit` whose arguments are the
+array leaves themselves. When the call fails, the arguments are examined for the cause
+(moved to their planned memory, a transfer guard, a donated buffer, several devices) and
+the error names leaf paths. A call that donates its inputs keeps its outputs reachable
+until they are returned, even through Ctrl-C.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
+from jax.core import Tracer
+
+from ._call_errors import call_problem
+from ._compile import NewArgumentTypes
+from ._errors import ImplicitTransferError, is_placement_mismatch
+from ._guard import explain, no_implicit_transfers
+from ._interrupts import hold, release
+from ._mesh import put, same_place
+from ._plan_walk import ARRAY_TYPES
+
+
+def describe(fn: Any) -> str:
+    if isinstance(fn, Method):
+        fn = fn.function
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
+
+
+# The per-call path reads the wrapper's fields with `object.__getattribute__` and calls
+# module-level functions: an `eqx.Module` builds a bound-method module for every method
+# looked up on an instance and checks every attribute read in Python, which would cost
+# more than the rest of the call.
+_get = object.__getattribute__
+# What each type of leaf is, found once per type: `isinstance` against the `jax.Array`
+# ABC costs more per leaf than the rest of the loop.
+_ARRAY, _STATIC, _TRACER = "array", "static", "tracer"
+_KINDS: dict[type, str] = {ArrayImpl: _ARRAY}
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, Tracer):
+        return _TRACER
+    return _ARRAY if isinstance(leaf, ARRAY_TYPES) else _STATIC
+
+
+def bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if kwargs and signature is not None:
+        bound = signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
+    return args, kwargs
+
+
+def call(self: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        if _get(self, "audit"):
+            with no_implicit_transfers(self.arguments(*args, **kwargs)):
+                return _dispatch(self, args, kwargs)
+        return _dispatch(self, args, kwargs)
+    except (ValueError, RuntimeError) as error:
+        # JAX names arguments by index; say which leaves, when they are the cause.
+        caller = f"ox.filter_jit({describe(_get(self, 'fn'))})"
+        problem = call_problem(error, self.arguments(*args, **kwargs), caller, _get(self, "donate"))
+        if problem is None:
+            raise
+        raise problem from None
+
+
+def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
+    args, kwargs = bind(_get(self, "signature"), args, kwargs)
+    tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    dynamic, statics, mask = [], [], []
+    for leaf in leaves:
+        kind = _KINDS.get(type(leaf))
+        if kind is None:
+            kind = _KINDS.setdefault(type(leaf), _kind(leaf))
+        if kind is _ARRAY:
+            dynamic.append(leaf)
+            mask.append(True)
+        elif kind is _STATIC:
+            statics.append(leaf)
+            mask.append(False)
+        else:
+            return self._inline(args, kwargs)
+    # The key leaves out shapes and dtypes (reading them costs more than the lookup):
+    # a call with new ones makes the entry's program retrace, which refuses them
+    # (`NewArgumentTypes`), or jit refuses them; then an entry is compiled for them and
+    # the key holds its entries by shapes and dtypes.
+    key = (treedef, tuple(mask), tuple(statics))
+    entries = _get(self, "cache").entries
+    try:
+        entry = entries.get(key)
+    except TypeError as e:
+        raise TypeError(
+            f"ox.filter_jit({describe(_get(self, 'fn'))}): a non-array argument is not "
+            f"hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
+            "they must be hashable: pass arrays for values that change, or make the object "
+            "hashable."
+        ) from None
+    if type(entry) is dict:  # several shapes seen under this key
+        entry = entry.get(types_of(dynamic))
+    if entry is None:
+        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        dynamic = _move(dynamic, entry.in_shardings)
+    if not entry.donate_argnums:
+        return _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+    if len(set(map(id, dynamic))) < len(dynamic):
+        self._check_distinct(entry, dynamic)
+    # The inputs are donated from here on: the outputs are the only copy of the state.
+    cache = _get(self, "cache")
+    cache.last_outputs = None
+    holding = hold()
+    try:
+        cache.last_outputs = _execute(
+            self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic
+        )
+    finally:
+        if holding:
+            release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
+    return cache.last_outputs
+
+
+def _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Any:
+    """Call the entry's program (moving misplaced arguments, compiling again for new
+    types) and rebuild the outputs."""
+    try:
+        out = entry.jitted(*dynamic)
+    except NewArgumentTypes:
+        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        out = entry.jitted(*_move(dynamic, entry.in_shardings))
+    except jax.errors.JaxRuntimeError as error:
+        # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused an
+        # argument's upload: say which leaf, which only this call knows.
+        message = explain(error, self.arguments(*args, **kwargs))
+        if message is None:
+            raise
+        raise ImplicitTransferError(message) from None
+    except ValueError as e:
+        if entry.types != types_of(dynamic):  # refused by jit before any retrace
+            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+            return entry.rebuild(entry.jitted(*_move(dynamic, entry.in_shardings)))
+        if not is_placement_mismatch(e):
+            raise
+        # Arguments not yet where the plan puts them (a new strategy on a model placed for
+        # another): move them once, explicitly; the outputs come back in planned memory,
+        # so the next call moves nothing. Under audit, a cached step that keeps receiving
+        # misplaced arguments is an error: it would copy them on every call.
+        if _get(self, "audit"):
+            _raise_misplaced(entry, dynamic)
+        out = entry.jitted(*_move(dynamic, entry.in_shardings))
+    return entry.rebuild(out)
+
+
+def types_of(dynamic: list) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) for x in dynamic)
+
+
+def _raise_misplaced(entry: Any, dynamic: list) -> None:
+    misplaced = [
+        f"`{leaf_plan.path}` is in {x.sharding.memory_kind!r}, planned {s.memory_kind!r}"
+        for x, s, leaf_plan in zip(dynamic, entry.in_shardings, entry.plan.leaves)
+        if s is not None and isinstance(x, jax.Array) and x.sharding.memory_kind != s.memory_kind
+    ]
+    if misplaced:
+        raise ImplicitTransferError(
+            "Arguments of a compiled step are not in their planned memory: "
+            + "; ".join(misplaced)
+            + ". They would be copied on every call. Pass the step's own outputs back in, "
+            "or place the arguments once before the loop: `ox.place(tree, strategy)`."
+        )
+
+
+def _move(dynamic: list, shardings: tuple) -> list:
+    """Explicitly move the arguments whose memory kind (or, over a mesh, whose sharding)
+    differs from the plan's."""
+    return [
+        put(x, s)
+        if s is not None and isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim)
+        else x
+        for x, s in zip(dynamic, shardings)
+    ]
+
+
+class Method(eqx.Module):
+    """A bound method of a module, as a pytree of the module's arrays."""
+
+    module: eqx.Module
+    function: Any = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.module, *args, **kwargs)
+
+    @property
+    def bound(self) -> Any:
+        """The method as the user passed it (its name, docstring and signature)."""
+        return self.function.__get__(self.module, type(self.module))
+
+
+def as_pytree(fn: Any) -> Any:
+    """A bound method of a module as a pytree whose leaves are the module's. Equinox makes
+    most bound methods pytrees, but not `__call__` and the other dunder methods:
+    `model.__call__` is a plain method, a static leaf whose arrays would be baked into
+    the program as constants (and neither planned nor donated)."""
+    module = getattr(fn, "__self__", None)
+    function = getattr(fn, "__func__", None)
+    if isinstance(module, eqx.Module) and callable(function):
+        return Method(module, function)
+    return fn
+
+
+def root_of(fn: Any) -> Any:
+    """The tree a function's arrays are planned under (`fn.layers[0].weight`): a bound
+    method's module, whose leaves are the method's, in the same order."""
+    return fn.module if isinstance(fn, Method) else fn

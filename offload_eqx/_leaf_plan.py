@@ -1,0 +1,81 @@
+"""Where one array leaf lives: its `LeafPlan`, the memory a strategy gives it, and the
+parameter an optimizer-state leaf mirrors (whose sharding it takes).
+
+`_plan` builds a `LeafPlan` for every array leaf of a call's arguments with these rules.
+"""
+
+import dataclasses
+from typing import Any, cast
+
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import PartitionSpec
+
+from ._placement import Memory, Placement, Role
+from ._strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """The plan for one array leaf.
+
+    - `path`: its path from the argument it belongs to (`model.layers.w1`).
+    - `memory`: where it lives under the strategy; None for a leaf nothing manages
+        (it stays in the memory it is in).
+    - `declared`: the memory its annotation declares (None: not annotated).
+    - `role`: `"param"` (a model field), `"optimizer"` (optimizer state) or None.
+    - `spec`: the `PartitionSpec` it is sharded with over the plan's mesh, declared or
+        mirrored from its parameter (None: none declared).
+    - `sharding`: its planned sharding, the one `ox.filter_jit` compiles it with.
+    - `mirrors`: for optimizer state, the path of the parameter it mirrors.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    memory: Memory | None
+    declared: Memory | None
+    role: Role | None
+    spec: PartitionSpec | None
+    sharding: Any = None
+    mirrors: str | None = None
+    root: int = dataclasses.field(default=0, repr=False)
+    uploaded: bool = dataclasses.field(default=False, repr=False)  # a NumPy leaf
+    keys: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def current_sharding(leaf: Any) -> Any:
+    if isinstance(leaf, Tracer):
+        return None  # a call inside another trace: the outer program decides
+    return getattr(leaf, "sharding", None)
+
+
+def effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy) -> Memory | None:
+    if placement is None:
+        return None
+    mode = strategy.params if placement.role == "param" else strategy.optimizer
+    if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
+        return "pinned_host"  # updated on the host: all of it lives there, never moved
+    if placement.role == "optimizer" and np.ndim(leaf) == 0:
+        # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
+        # are bytes, every update reads them, and a donated host scalar that XLA aliases
+        # to a device output aborts the process (see ../shared/reference).
+        return "device"
+    return placement.memory if mode == "annotated" else cast(Memory, mode)
+
+
+def mirrored(keys: tuple, shape: tuple, params: dict[tuple, int], leaves: list) -> int | None:
+    """The parameter whose key path occurs in an optimizer-state leaf's key path (the
+    longest such path), if its shape is the state leaf's: Adam's `mu.layers.w1` mirrors
+    `layers.w1`, a streamed `leaves.layers.w1[0].mu` too."""
+    n = len(keys)
+    for length in range(n, 0, -1):
+        for start in range(0, n - length + 1):
+            index = params.get(keys[start : start + length])
+            if index is not None and leaves[index]["shape"] == shape:
+                return index
+    return None

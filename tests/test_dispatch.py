@@ -1,0 +1,166 @@
+"""The call of an `ox.filter_jit` step as users make it (issue 17, items 4, 6, 7 and 9):
+bound methods traced like modules, donation of what the step returns a new value of,
+run-time errors that name leaf paths, and Ctrl-C in a donating loop."""
+
+import signal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import offload_eqx as ox
+
+
+def _mlp(width: int = 8) -> eqx.nn.MLP:
+    return eqx.nn.MLP(4, 4, width, depth=1, key=jax.random.key(0))
+
+
+# -- item 4: bound methods ----------------------------------------------------------------
+
+
+class Scaled(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w
+
+    def shifted(self, x, shift):
+        return x @ self.w + shift
+
+
+def test_a_bound_call_method_is_traced_like_the_module():
+    """`ox.filter_jit(model.__call__)` used to bake the weights into the program as
+    constants (102,887 characters of HLO against 1,909), and plan only `args[0]`."""
+    mlp = eqx.nn.MLP(64, 64, 384, depth=2, key=jax.random.key(1))
+    x = jnp.ones(64)
+    as_module, as_method = ox.filter_jit(mlp), ox.filter_jit(mlp.__call__)
+    assert [leaf.path for leaf in as_method.plan(x).leaves] == [
+        leaf.path for leaf in as_module.plan(x).leaves
+    ]
+    assert as_method.plan(x).leaves[0].path == "fn.layers[0].weight"
+    assert len(as_method.lower(x).as_text()) < 20_000
+    np.testing.assert_allclose(as_method(x), mlp(x), rtol=1e-6)
+
+
+def test_a_bound_method_keeps_its_parameter_names_and_is_donated_like_an_argument():
+    model = Scaled(jnp.eye(3))
+    step = ox.filter_jit(model.shifted)
+    assert [leaf.path for leaf in step.plan(jnp.ones(3), shift=jnp.ones(3)).leaves] == [
+        "fn.w",
+        "x",
+        "shift",
+    ]
+    assert step.__name__ == "shifted"
+    np.testing.assert_allclose(step(jnp.ones(3), shift=jnp.ones(3)), 2 * jnp.ones(3))
+
+
+# -- item 6: donation takes only state ------------------------------------------------------
+
+
+def _train_step():
+    opt = ox.offload_optimizer(optax.adam(1e-2))
+
+    @ox.filter_jit(donate="all")
+    def step(model, opt_state, x, scale):
+        loss, grads = eqx.filter_value_and_grad(lambda m: scale * jnp.mean(jax.vmap(m)(x) ** 2))(
+            model
+        )
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return ox.apply_updates(model, updates), opt_state, loss, jax.vmap(model)(x)
+
+    return opt, step
+
+
+def test_donation_takes_what_the_step_returns_a_new_value_of():
+    """A float32 scalar argument (a loss scale, shaped like the loss) and the batch
+    (shaped like the predictions) used to be donated, and the next call failed."""
+    opt, step = _train_step()
+    model = _mlp(4)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x, scale = jnp.ones((3, 4)), jnp.float32(2.0)
+    entry, _ = step.compilation(model, opt_state, x, scale)
+    donated = {entry.plan.leaves[i].path for i in entry.donate_argnums}
+    assert donated and all(p.startswith(("model.", "opt_state.")) for p in donated), donated
+    new_model, new_state, _, _ = step(model, opt_state, x, scale)
+    assert model.layers[0].weight.is_deleted()
+    assert not x.is_deleted() and not scale.is_deleted()
+    step(new_model, new_state, x, scale)  # the batch and the scale are still usable
+
+
+# -- item 7: run-time errors name paths -------------------------------------------------------
+
+
+def test_reusing_a_donated_model_names_the_leaves_and_the_fix():
+    """It was `Invalid buffer passed to Execute() as argument 0 to replica 0`."""
+    opt, step = _train_step()
+    model = _mlp()
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x, scale = jnp.ones((3, 4)), jnp.float32(1.0)
+    step(model, opt_state, x, scale)
+    with pytest.raises(
+        ValueError,
+        match=r"ox.filter_jit\(step\): `model.layers\[0\].weight`, .* donated to an earlier "
+        r"call \(donate='all'\).*Pass the step's outputs, not the donated inputs",
+    ):
+        step(model, opt_state, x, scale)
+
+
+def test_updates_of_another_model_name_the_leaf():
+    """It was a broadcasting `TypeError` (or JAX's pytree-structure message)."""
+
+    class Pair(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+    model = Pair(jnp.ones(3), jnp.ones((2, 2)))
+    with pytest.raises(
+        ValueError,
+        match=r"`updates.a` has shape \(4,\) but `model.a` has shape \(3,\), so the updates "
+        r"were made for another model",
+    ):
+        ox.apply_updates(model, Pair(jnp.ones(4), jnp.ones((2, 2))))
+    with pytest.raises(ValueError, match=r"differ in structure.*made for another model"):
+        ox.apply_updates(_mlp(8), eqx.filter(_mlp(16), eqx.is_array))
+
+
+# -- item 9: Ctrl-C in a donating loop ----------------------------------------------------------
+
+
+def test_ctrl_c_after_the_inputs_were_donated_keeps_the_outputs():
+    """Ctrl-C that lands after the step donated its inputs, before the loop rebinds its
+    names, lost the model and optimizer state (plain `eqx.filter_jit` does the same).
+    The wrapper holds the interrupt until the step returns and keeps the outputs."""
+    opt, step = _train_step()
+    x, scale = jnp.ones((3, 4)), jnp.float32(1.0)
+    model, opt_state, _, _ = step(_mlp(), opt.init(eqx.filter(_mlp(), eqx.is_array)), x, scale)
+    copies = jax.tree.map(lambda a: jnp.copy(a) if eqx.is_array(a) else a, (model, opt_state))
+    expected = step(*copies, x, scale)  # the same step, not interrupted
+
+    entry, _ = step.compilation(model, opt_state, x, scale)
+    run = entry.jitted
+
+    def interrupted(*leaves):
+        out = run(*leaves)
+        signal.raise_signal(signal.SIGINT)  # as if Ctrl-C came now
+        return out
+
+    entry.jitted = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt, match=r"step.last_outputs"):
+            model, opt_state, _, _ = step(model, opt_state, x, scale)
+    finally:
+        entry.jitted = run
+    assert model.layers[0].weight.is_deleted()  # donated, and the names not rebound
+    recovered = step.last_outputs
+    for got, want in zip(jax.tree.leaves(recovered), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+    step(recovered[0], recovered[1], x, scale)  # training goes on
+
+
+def test_a_step_that_donates_nothing_keeps_nothing():
+    step = ox.filter_jit(lambda m, x: jax.vmap(m)(x))
+    step(_mlp(), jnp.ones((3, 4)))
+    assert step.last_outputs is None
