@@ -4,16 +4,19 @@ The modules form layers; each imports only from the layers above it (checked by
 `../shared/tools/layers_check.py`):
 
 1. vocabulary: `_placement` (ox.field), `_activations` (ox.activations), `_strategy`,
-   `_table` (the one table formatter), `_errors` (exception types).
+   `_table` (the one table formatter), `_errors` (exception types), `_options` (the
+   planners' options, checked before any work).
 2. sharding: `_memory_space` (host or device types, explicit moves), `_mesh` (specs over
    a mesh, moving arrays onto it).
 3. plan: `_plan_walk` (reading annotations), `_remat_policy` (names under a strategy),
-   `_plan` (every placement rule: memory, sharding, mirrored optimizer state, donation,
-   outputs <-> arguments, the name checks).
+   `_leaf_plan` (where one leaf lives), `_plan` (every placement rule: memory,
+   sharding, mirrored optimizer state, donation, outputs <-> arguments, the name checks).
 4. tracing: `_trace_state` (the one trace state), `_regions` (ox.scan, ox.checkpoint,
-   ox.name), `_annotate`, `_own_regions` (modules with host fields bring a region),
-   `_place` (ox.place, ox.shard), `_guard` (implicit transfers at run time), `_host_use`,
-   `_compile` (one compiled entry), `_jit` (ox.filter_jit).
+   ox.name, ox.fetch), `_annotate`, `_own_regions` (modules with host fields bring a
+   region), `_place` (ox.place, ox.shard), `_guard` (implicit transfers at run time),
+   `_host_use`, `_compile` (one compiled entry), `_call_errors` (a failed call said in
+   leaf paths), `_interrupts` (Ctrl-C held during donating calls), `_dispatch` (the
+   per-call path), `_jit` (ox.filter_jit).
 5. optimizer: `_optimizer_state`, `_optimizer_checks`, `_optimizer_stream`, `_optimizer`
    (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
 6. inspection: `_primitives`, `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit),
@@ -55,7 +58,7 @@ from ._optimizer import (
 from ._place import place as place, shard as shard
 from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
-from ._regions import checkpoint as checkpoint, name as name, scan as scan
+from ._regions import checkpoint as checkpoint, fetch as fetch, name as name, scan as scan
 from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._targets import (
     TARGETS as TARGETS,

@@ -24,6 +24,7 @@ import jax.extend as jex
 import numpy as np
 
 from ._activations import Policy
+from ._remat_policy import carried_names
 from ._strategy import Strategy
 
 _CARRY = (
@@ -42,47 +43,29 @@ class NamedValue:
     carry: bool  # the carry of an enclosing scan
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.core.Var)
-
-
 def named_values(jaxpr: Any) -> dict[str, NamedValue]:
     """Each name the forward pass of `jaxpr` produces (recomputation excluded), with its
     bytes per step and whether it is a scan's carry."""
     found: dict[str, NamedValue] = {}
+    carried = carried_names(jaxpr)
 
-    def walk(j: Any, carry: set, count: int) -> None:
+    def walk(j: Any, count: int) -> None:
         for eqn in j.eqns:
             prim = eqn.primitive.name
             stack = str(eqn.source_info.name_stack)
             if prim == "name" and "rematted_computation" not in stack and "transpose(" not in stack:
                 aval = eqn.outvars[0].aval
                 size = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize * count
-                var = eqn.invars[0]
                 name = eqn.params["name"]
                 previous = found.get(name)
                 found[name] = NamedValue(
-                    name,
-                    size + (previous.bytes if previous else 0),
-                    (_is_var(var) and var in carry) or bool(previous and previous.carry),
+                    name, size + (previous.bytes if previous else 0), name in carried
                 )
-            if prim == "scan":
-                body = eqn.params["jaxpr"].jaxpr
-                start = eqn.params["num_consts"]
-                inner = set(body.invars[start : start + eqn.params["num_carry"]])
-                walk(body, inner, count * eqn.params["length"])
-                continue
+            length = eqn.params["length"] if prim == "scan" else 1
             for sub in jex.core.jaxprs_in_params(eqn.params):
-                sub = getattr(sub, "jaxpr", sub)
-                aligned = len(sub.invars) == len(eqn.invars)
-                inner = (
-                    {b for a, b in zip(eqn.invars, sub.invars) if _is_var(a) and a in carry}
-                    if aligned
-                    else set()
-                )
-                walk(sub, inner, count)
+                walk(getattr(sub, "jaxpr", sub), count * length)
 
-    walk(jaxpr, set(), 1)
+    walk(jaxpr, 1)
     return found
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._errors import Violation
 from ._host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_computation
-from ._memory_space import is_host_aval as _is_host, label_in
+from ._memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
 from ._primitives import (
     DATA_MOVEMENT,
     STRUCTURAL,
@@ -165,9 +165,36 @@ class _Walker:
                 self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
                 # A gradient computed inside a nested jit: what follows it is the update.
                 seen_backward = seen_backward or (self.saw_backward and not before)
+            elif prim == "add_any" and self._sums_gradients(eqn, env):
+                # Differentiation adding up two host-typed gradients of one leaf (used in
+                # two places, e.g. in regions and through `ox.fetch`): the sum is made in
+                # host memory, where the plan keeps that leaf's gradient.
+                self._gradient_sum(eqn, env, count, eqn_phase, where)
             elif not eqn_host_ok:
                 if any(_is_var(v) and _is_host(v.aval) for v in eqn.invars):
                     self._host_arithmetic(eqn, env, where)
+
+    @staticmethod
+    def _sums_gradients(eqn, env) -> bool:
+        sources = [env.get(v) for v in eqn.invars if _is_var(v)]
+        return bool(sources) and all(
+            _is_host(v.aval) and s is not None and s.kind == "gradient"
+            for v, s in zip(eqn.invars, sources)
+        )
+
+    def _gradient_sum(self, eqn, env, count, phase, where) -> None:
+        what = env[eqn.invars[0]].what
+        env[eqn.outvars[0]] = _Origin("gradient", what)
+        self.host_computations.append(
+            HostComputation(
+                name=f"gradient sum of {what}",
+                phase=phase,
+                count=count,
+                operand_bytes=sum(_nbytes(v.aval) for v in eqn.invars) * count,
+                result_bytes=_nbytes(eqn.outvars[0].aval) * count,
+                where=" > ".join(where),
+            )
+        )
 
     def _host_computation(self, eqn, stack, count, phase, where) -> None:
         start = stack.rfind(HOST_NAME_SCOPE + "[")
@@ -193,8 +220,9 @@ class _Walker:
             source = env.get(invar)
             to_host = _is_device(invar.aval) and _is_host(outvar.aval)
             to_device = _is_host(invar.aval) and _is_device(outvar.aval)
+            kept = FETCH_SCOPE in stack  # `ox.fetch`: kept where used, by request
             if source is not None:
-                if to_device and source.kind in ("parameter", "optimizer", "input"):
+                if to_device and source.kind in ("parameter", "optimizer", "input") and not kept:
                     env[outvar] = dataclasses.replace(source, fetched_in=phase)
                 else:
                     env[outvar] = dataclasses.replace(source, fetched_in=None)
@@ -213,6 +241,11 @@ class _Walker:
                 env[outvar] = _Origin("gradient", what)
             else:
                 kind, what = "intermediate", "a computed value"
+            if to_host and phase == "backward" and kind == "parameter":
+                # What the backward pass sends to a parameter's host memory is its
+                # gradient (a loop's summed cotangent, or gradients returned as they are).
+                kind = "gradient"
+                env[outvar] = _Origin("gradient", what)
             self.transfers.append(
                 Transfer(
                     direction="device-to-host" if to_host else "host-to-device",

@@ -4,6 +4,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax._src import core as _core  # private: the trace a tracer belongs to (`fetch_outside`)
 
 
 def is_host_typed(x: Any) -> bool:
@@ -30,6 +31,51 @@ def to_device(x: Any) -> Any:
     if is_host_typed(x):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
+
+
+# Bodies whose transpose cannot take a host-typed constant: JAX 0.10.2 accumulates the
+# cotangent of a value a `scan`/`fori_loop` body or a `cond` branch closes over in a
+# device-typed zero, and fails ("Expected cotangent type float32<host>[...] but got
+# float32[...]") when that value is host-typed and fetched inside the body. Remat and jit
+# bodies take such constants as operands and are not affected (tests/test_jax_messages.py).
+_LOOP_BODIES = ("scan", "fori", "while", "cond", "switch")
+
+
+def captured_by_loop(x: Any) -> bool:
+    """Whether `x`, a tracer, is closed over by a loop body or a branch traced now: a
+    value of an outer trace that the body will take as a constant."""
+    own = getattr(x, "_trace", None)
+    if own is None:
+        return False
+    trace = _core.trace_ctx.trace
+    while trace is not None and trace is not own:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        kind = getattr(info, "traced_for", None) or ""
+        if any(body in kind for body in _LOOP_BODIES):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+# The scope of a fetch made to be kept where it is used (`ox.fetch`, or a host leaf a loop
+# closes over, fetched outside the loop): the audit does not count its device copy, kept
+# for the backward pass, as a residual the program should not have.
+FETCH_SCOPE = "ox_fetch"
+
+
+def fetch_kept(x: Any) -> Any:
+    """An explicit fetch of a host-typed array whose device copy may be kept for the
+    backward pass (see `FETCH_SCOPE`)."""
+    with jax.named_scope(FETCH_SCOPE):
+        return jax.device_put(x, jax.memory.Space.Device)
+
+
+def fetch_outside(x: Any) -> Any:
+    """`fetch_kept` made in the trace the tracer `x` belongs to (outside the loop that
+    captured it): the loop then closes over a device value, and its cotangent is summed
+    on the device and sent back to host memory once."""
+    with _core.set_current_trace(x._trace):
+        return fetch_kept(x)
 
 
 def to_host(x: Any) -> Any:

@@ -19,7 +19,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ._activations import check_name
-from ._memory_space import is_host_typed, to_device
+from ._memory_space import (
+    captured_by_loop,
+    fetch_kept,
+    fetch_outside,
+    is_host_typed,
+    to_device,
+)
 from ._plan import Plan
 from ._plan_walk import format_keys
 from ._trace_state import active_plan, argument_path, current, in_region, record_name
@@ -57,6 +63,53 @@ def name(x: Any, name: str) -> Any:
         for leaf in jax.tree_util.tree_leaves(out):
             state.named_outputs[id(leaf)] = (name, leaf)
     return out
+
+
+def fetch(tree: Any) -> Any:
+    """Fetch the host-resident arrays of `tree` to the device, here, explicitly.
+
+    For a host-resident leaf used outside any region, which JAX cannot compute on or
+    differentiate there: `1e-3 * jnp.sum(ox.fetch(model.layers.w) ** 2)`. The leaf is
+    fetched once, where this is called, and its device copy is kept as long as the
+    program needs it (the audit counts the transfer, and does not call the copy a
+    residual); the gradient of this use goes back to host memory and is added there to
+    the gradients the leaf's regions send. Device-resident leaves and non-array leaves
+    are returned unchanged. Outside `ox.filter_jit` it moves arrays to device memory.
+    """
+    state = current()
+
+    def one(x: Any) -> Any:
+        if not is_host_typed(x):
+            return x
+        if captured_by_loop(x):
+            return _fetched_outside(x, state)
+        return fetch_kept(x)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _fetched_outside(x: Any, state: Any) -> Any:
+    """`x`, a host-typed leaf a loop body closes over, fetched outside the loop, once per
+    trace."""
+    if state is None:
+        return fetch_outside(x)
+    held = state.fetched_outside.get(id(x))
+    if held is None or held[0] is not x:
+        held = state.fetched_outside[id(x)] = (x, fetch_outside(x))
+    return held[1]
+
+
+def _fetch_captured(module: Any) -> Any:
+    """The module with every host-typed leaf that a loop body or branch closes over
+    fetched once, outside that body (`fetch_outside`): an `eqx.nn.LSTMCell` on the host
+    called in a `jax.lax.scan` over time steps. Its device copy is shared by every call in
+    the trace, and its gradient summed on the device and sent to host memory once."""
+    state = current()
+
+    def one(x: Any) -> Any:
+        return _fetched_outside(x, state) if is_host_typed(x) and captured_by_loop(x) else x
+
+    return jax.tree_util.tree_map(one, module)
 
 
 def _plan_for(module: Any) -> Plan:
@@ -149,6 +202,7 @@ def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
             _NOT_CALLABLE.format(caller="ox.checkpoint", value=module, kind=type(module).__name__)
         )
     _check_not_hidden(module, "ox.checkpoint")
+    module = _fetch_captured(module)
     in_names = _names_of(args)
     has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
     out_names: list = []
@@ -202,7 +256,7 @@ def scan(
             f"ox.scan(..., axis={axis!r}): the layer axis is a non-negative int (0 for "
             "leaves stacked along their first dimension)."
         )
-    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    dynamic, static = eqx.partition(_fetch_captured(stacked), eqx.is_array)
     with_paths = jax.tree_util.tree_flatten_with_path(dynamic)[0]
     if not with_paths:
         raise ValueError(
@@ -216,6 +270,8 @@ def scan(
             for n, paths in sorted(lengths.items())
         )
         raise ValueError(_AXIS_MISMATCH.format(axis=axis, lengths=described))
+    if 0 in lengths:
+        return carry  # no layers: as `jax.lax.scan` of length 0, the carry unchanged
     if axis != 0:
         dynamic = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, axis, 0), dynamic)
     plan = _plan_for(stacked)

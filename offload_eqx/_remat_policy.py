@@ -46,6 +46,57 @@ _NOTHING_TO_OFFLOAD = (
 )
 
 
+_LOOP_CARRY = (
+    "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
+    "{strategy!r}, but its value is the carry of a scan (each layer's output is the next "
+    "layer's input): the scan keeps every iteration's carry for the backward pass whatever "
+    "the policy, so a loop carry cannot be offloaded. Apply the stacked layers with "
+    "`ox.scan(layers, x)` instead of `jax.lax.scan`: it names the carry at each layer's "
+    "boundary, inside the layer's region, where the policy applies; or name a value inside "
+    "the layer; or declare {name!r} 'save' or 'remat'."
+)
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
+
+
+def carried_names(jaxpr: Any) -> set[str]:
+    """The names whose value is the carry of a scan: the value a body takes as its carry
+    (an `ox.scan` layer's input) or returns as its carry (a block's output under a plain
+    `jax.lax.scan`)."""
+    found: set[str] = set()
+
+    def walk(j: Any, carry_in: set, carry_out: set) -> None:
+        for eqn in j.eqns:
+            value = eqn.invars[0] if eqn.invars else None
+            if eqn.primitive.name == "name" and (
+                (_is_var(value) and value in carry_in) or eqn.outvars[0] in carry_out
+            ):
+                found.add(eqn.params["name"])
+            if eqn.primitive.name == "scan":
+                body = eqn.params["jaxpr"].jaxpr
+                start, n = eqn.params["num_consts"], eqn.params["num_carry"]
+                walk(
+                    body,
+                    set(body.invars[start : start + n]),
+                    {v for v in body.outvars[:n] if _is_var(v)},
+                )
+                continue
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                sub = getattr(sub, "jaxpr", sub)
+                ins = zip(eqn.invars, sub.invars) if len(sub.invars) == len(eqn.invars) else ()
+                outs = zip(eqn.outvars, sub.outvars) if len(sub.outvars) == len(eqn.outvars) else ()
+                walk(
+                    sub,
+                    {inner for outer, inner in ins if _is_var(outer) and outer in carry_in},
+                    {inner for outer, inner in outs if _is_var(inner) and outer in carry_out},
+                )
+
+    walk(jaxpr, set(), set())
+    return found
+
+
 def effective_policy(name: str, policy: Policy, strategy: Strategy) -> Policy:
     return strategy.policy_of(name, policy)
 
@@ -151,8 +202,9 @@ def check_offloads(
     missing = [n for n in wanted if n not in offloaded]
     if not missing:
         return
+    carried = carried_names(jaxpr)
     messages = [
-        _NOTHING_TO_OFFLOAD.format(
+        (_LOOP_CARRY if n in carried else _NOTHING_TO_OFFLOAD).format(
             name=n, policy=declared[n][0], module=declared[n][1], strategy=strategy.name
         )
         for n in missing

@@ -28,6 +28,9 @@ class TraceState:
     # Names carried by a region's output, by the identity of the output tracer, so that
     # the region that receives it as input applies the name's policy at its boundary.
     named_outputs: dict[int, tuple[str, Any]] = dataclasses.field(default_factory=dict)
+    # Host-typed leaves a loop body closes over, by identity: (the leaf, its device copy
+    # fetched outside the loop), so that every region in the trace shares one fetch.
+    fetched_outside: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
 
 
 _STATE: contextvars.ContextVar[TraceState | None] = contextvars.ContextVar(
