@@ -1,7 +1,7 @@
-"""Real clients: models written the way Equinox users write them (`tests/real_models.py`),
-trained under every strategy, and compared with the same code under plain `eqx.filter_jit`
-+ optax (loss, gradients, a 3-step trajectory), with the transfer guard on, `audit=True`
-and `ox.audit` finding nothing wrong.
+"""Real clients: models written the way Equinox users write them (`tests/real_models.py`,
+`tests/real_model_families.py`), trained under every strategy, and compared with the same
+code under plain `eqx.filter_jit` + optax (loss, gradients, a 3-step trajectory), with the
+transfer guard on, `audit=True` and `ox.audit` finding nothing wrong.
 
 Also: the optax wrappers users reach for, through `ox.offload_optimizer`, and what a
 trace-time error leaves behind when everything is donated (nothing is lost).
@@ -19,11 +19,19 @@ import optax
 import pytest
 from beartype import beartype
 from jaxtyping import PRNGKeyArray, Shaped, jaxtyped
+from real_model_families import (
+    FAMILIES,
+    FAMILY_NAMES,
+    FAMILY_OPTIMIZERS,
+    bound_method,
+    classifier_batch,
+)
 from real_models import CASES, Case, mlp, mlp_batch, mlp_loss, optax_wrappers
 
 import offload_eqx as ox
 
 STRATEGIES = list(ox.STRATEGIES)
+ALL_CASES: dict[str, Case] = {**CASES, **FAMILIES}
 STEPS = 3
 MODEL_KEY, BATCH_KEY, STEP_KEY = 0, 1, 2
 
@@ -32,13 +40,20 @@ MODEL_KEY, BATCH_KEY, STEP_KEY = 0, 1, 2
 
 
 @jaxtyped(typechecker=beartype)
-def assert_close(ours: Shaped[np.ndarray, "..."], reference: Shaped[np.ndarray, "..."], what: str):
-    """float32: within 1e-6 of the leaf's scale; any other dtype (bfloat16, integers):
-    bitwise."""
+def assert_close(
+    ours: Shaped[np.ndarray, "..."],
+    reference: Shaped[np.ndarray, "..."],
+    what: str,
+    scale: float | None = None,
+    rtol: float = 1e-6,
+):
+    """float32: within `rtol` of `scale` (by default the leaf's own); any other dtype
+    (bfloat16, integers): bitwise."""
     assert ours.dtype == reference.dtype and ours.shape == reference.shape, what
     if reference.dtype == np.float32:
-        scale = float(np.max(np.abs(reference), initial=0.0))
-        np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6 * scale, err_msg=what)
+        if scale is None:
+            scale = float(np.max(np.abs(reference), initial=0.0))
+        np.testing.assert_allclose(ours, reference, rtol=rtol, atol=rtol * scale, err_msg=what)
     else:
         np.testing.assert_array_equal(ours, reference, err_msg=what)
 
@@ -51,19 +66,42 @@ class Snapshot:
     leaves: list[tuple[str, np.ndarray]]
 
 
+def _compared(leaf: Any) -> bool:
+    """Arrays, and Python or NumPy scalars: a constant that a remat region returns comes
+    out of a differentiated program as a Python value (BatchNorm's `first_time` flag is
+    `False` after `jax.checkpoint`, `Array(False)` without it, in plain JAX too)."""
+    return eqx.is_array(leaf) or isinstance(leaf, (bool, int, float, np.generic))
+
+
 def snapshot(tree: Any) -> Snapshot:
     if isinstance(tree, Snapshot):
         return tree
-    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, _compared))
     return Snapshot([(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in leaves])
 
 
-def assert_same(ours: Any, reference: Any, what: str) -> None:
-    """Two trees (or snapshots of trees) hold the same arrays at the same paths."""
+def assert_same(
+    ours: Any, reference: Any, what: str, *, rtol: float = 1e-6, whole_tree: bool = False
+) -> None:
+    """Two trees (or snapshots of trees) hold the same arrays at the same paths. With
+    `whole_tree`, float32 leaves are compared within `rtol` of the largest value of the
+    whole tree rather than of each leaf: rounding noise is relative to what flows through
+    the computation, and a gradient that is mathematically zero (a bias before a
+    BatchNorm) is noise of that size in every program."""
     ours_leaves, reference_leaves = snapshot(ours).leaves, snapshot(reference).leaves
     assert [p for p, _ in ours_leaves] == [p for p, _ in reference_leaves], what
+    scale = None
+    if whole_tree:
+        scale = max(
+            (
+                float(np.max(np.abs(b), initial=0.0))
+                for _, b in reference_leaves
+                if b.dtype == np.float32
+            ),
+            default=0.0,
+        )
     for (path, a), (_, b) in zip(ours_leaves, reference_leaves):
-        assert_close(a, b, f"{what}: {path}")
+        assert_close(a, b, f"{what}: {path}", scale, rtol)
 
 
 def memories(tree: Any) -> set[str]:
@@ -159,41 +197,69 @@ def offload_run(case: Case, opt: Any, strategy: str, *, fused: bool = False):
     return trajectory, report, (model, opt_state)
 
 
-def assert_same_trajectory(ours: list[tuple], reference: list[tuple]) -> None:
+# Parameters and state after optimizer steps agree to 1e-5 of their scale, the losses and
+# every step's gradients to 1e-6: a program that rematerialises (a region, a strategy)
+# rounds differently, and the optimizer turns a gradient's last bits into more than 1e-6
+# of a parameter (Adam divides by the gradient's magnitude). A wrong gradient or update
+# moves a parameter by about the learning rate, 1e-2: three orders above either bound.
+PARAMETER_RTOL = 1e-5
+
+
+def assert_same_trajectory(ours: list[tuple], reference: list[tuple], rtol: float = 1e-6):
+    """The gradients (within `rtol` of the largest gradient) and the loss of every step,
+    and the parameters and state after it (within `PARAMETER_RTOL`, or `rtol` if larger)
+    agree."""
+    after = max(rtol, PARAMETER_RTOL)
     for i, ((model, state, loss, grads), (ref_model, ref_state, ref_loss, ref_grads)) in enumerate(
         zip(ours, reference)
     ):
-        if i == 0:
-            assert_same(grads, ref_grads, "gradients of the first step")
-        assert_same(loss, ref_loss, f"loss of step {i}")
-        assert_same(model, ref_model, f"parameters after step {i}")
-        assert_same(state, ref_state, f"eqx.nn.State after step {i}")
+        assert_same(grads, ref_grads, f"gradients of step {i}", rtol=rtol, whole_tree=True)
+        assert_same(loss, ref_loss, f"loss of step {i}", rtol=rtol)
+        assert_same(model, ref_model, f"parameters after step {i}", rtol=after)
+        assert_same(state, ref_state, f"eqx.nn.State after step {i}", rtol=after)
 
 
 _REFERENCES: dict[tuple[str, str], list[tuple]] = {}
 
 
-def _reference(name: str, optimizer: str = "adam") -> list[tuple]:
-    """The plain run of model `name` with `optimizer` (a key of `optax_wrappers()`, or
-    "adam"), computed once per session."""
+def _transformation(name: str, optimizer: str) -> Any:
+    """`optimizer` is a key of `optax_wrappers()`, or "own": the case's own optimizer
+    (`optax.adam(1e-2)` unless `FAMILY_OPTIMIZERS` says otherwise). A fresh instance."""
+    if optimizer != "own":
+        return optax_wrappers()[optimizer]
+    return FAMILY_OPTIMIZERS.get(name, _adam)()
+
+
+def _adam() -> Any:
+    """Adam with `eps=1e-3`. With the default 1e-8 an element whose gradient is near zero
+    moves by lr * g / (|g| + eps), which turns the 1e-10 by which a rematerialised program
+    rounds that gradient differently into 1e-6 of the parameter's scale (the encoder under
+    hybrid, on this machine): the comparison would measure Adam's conditioning, not
+    offload_eqx. Every gradient is compared at 1e-6 anyway."""
+    return optax.adam(1e-2, eps=1e-3)
+
+
+def _reference(name: str, optimizer: str = "own") -> list[tuple]:
+    """The plain run of model `name` with `optimizer`, computed once per session."""
     if (name, optimizer) not in _REFERENCES:
-        tx = optax.adam(1e-2) if optimizer == "adam" else optax_wrappers()[optimizer]
-        _REFERENCES[name, optimizer] = reference_run(CASES[name], tx)
+        tx = _transformation(name, optimizer)
+        _REFERENCES[name, optimizer] = reference_run(ALL_CASES[name], tx)
     return _REFERENCES[name, optimizer]
 
 
 # -- 1. Every model, every strategy. -------------------------------------------------------
 
 # Where each model's annotations put things under the default strategy ("annotated").
-DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves"}
-NAMES = {"encoder": "block_output", "vit": "mlp_hidden"}  # declared "offload" by the model
+DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves", *FAMILIES}
+# Declared "offload" by the model.
+NAMES = {"encoder": "block_output", "vit": "mlp_hidden", **FAMILY_NAMES}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_same_as_plain_equinox(name: str, strategy: str):
-    case = CASES[name]
-    opt = ox.offload_optimizer(optax.adam(1e-2))
+    case = ALL_CASES[name]
+    opt = ox.offload_optimizer(_transformation(name, "own"))
     if strategy == "offload_activations" and name not in NAMES:
         # Nothing named, so nothing to offload: the README's rule is an error, and it
         # says what to write (hybrid, by contrast, still offloads parameters and state).
@@ -204,7 +270,7 @@ def test_same_as_plain_equinox(name: str, strategy: str):
             offload_run(case, opt, strategy)
         return
     trajectory, report, (model, opt_state) = offload_run(case, opt, strategy)
-    assert_same_trajectory(trajectory, _reference(name))
+    assert_same_trajectory(trajectory, _reference(name), case.rtol)
 
     # The strategy really moved what it says it moves (nothing is a silent no-op), and
     # the outputs came back where the plan keeps them.
@@ -219,6 +285,28 @@ def test_same_as_plain_equinox(name: str, strategy: str):
     if name in NAMES and spec.activations in ("offload", "annotated"):
         offloaded = report.select("device-to-host", NAMES[name], kind="activation")
         assert offloaded, f"{NAMES[name]!r} is declared 'offload' but is never offloaded:\n{report}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bound_method_as_the_function(strategy: str):
+    """`ox.filter_jit(model.__call__)`: the bound method's module is partitioned like an
+    argument (its arrays traced and planned, not baked in), and the call gives
+    `eqx.filter_jit(model.__call__)`'s logits, with the guard on and nothing implicit."""
+    x, _ = classifier_batch(jax.random.key(BATCH_KEY))
+    expected = eqx.filter_jit(bound_method(jax.random.key(MODEL_KEY)).__call__)(x)
+    model = ox.place(bound_method(jax.random.key(MODEL_KEY)), strategy)
+    forward = ox.filter_jit(model.__call__, strategy=strategy, audit=True)
+    if strategy == "offload_activations":  # the model names nothing: refused, as above
+        with pytest.raises(ValueError, match=r"'offload_activations'.*no module declares"):
+            forward(x)
+        return
+    report = ox.audit(forward, x)
+    report.assert_no_implicit()
+    with ox.no_implicit_transfers():
+        logits = forward(x)
+    assert_same(logits, expected, "logits")
+    if ox.STRATEGIES[strategy].params != "device":  # the head is declared pinned_host
+        assert report.total("host-to-device", kind="parameter") > 0, report
 
 
 def test_annotated_mlp_called_on_one_example():
