@@ -9,6 +9,7 @@ import pytest
 from helpers import Layer, ScannedModel, make_optimizer, make_step, scanned_model
 
 import offload_eqx as ox
+from offload_eqx._options import checks_options
 
 
 def test_unknown_memory():
@@ -306,6 +307,83 @@ def _case_not_callable(model, opt_state):
     ox.filter_jit(model.layers.w1)
 
 
+# The planners check their options before any work (issue 17, item 8): a step that fails when traced and a
+# `make_args` that fails when called prove that nothing was traced or compiled.
+
+
+def _never_traced(model, opt_state, x):
+    raise AssertionError("the step was traced before the planner checked its options")
+
+
+def _never_called(batch):
+    raise AssertionError("make_args was called before the planner checked its options")
+
+
+def _fit(model, opt_state, **options):
+    step = ox.filter_jit(_never_traced, donate="all")
+    ox.fit(step, model, opt_state, jnp.ones((3, 16)), target="h100", **options)
+
+
+def _case_fit_negative_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget=-1)
+
+
+def _case_fit_zero_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget=0)
+
+
+def _case_fit_bool_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget=True)
+
+
+def _case_fit_float_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget=80.0)
+
+
+def _case_fit_large_float_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget=80e9)
+
+
+def _case_fit_string_device_budget(model, opt_state):
+    _fit(model, opt_state, device_budget="80GB")
+
+
+def _case_fit_negative_host_budget(model, opt_state):
+    _fit(model, opt_state, host_budget=-5)
+
+
+def _case_fit_zero_max_compiles(model, opt_state):
+    _fit(model, opt_state, max_compiles=0)
+
+
+def _case_max_batch_float_device_budget(model, opt_state):
+    step = ox.filter_jit(_never_traced)
+    ox.max_batch(step, _never_called, target="h100", device_budget=8e9)  # type: ignore[arg-type]
+
+
+def _case_max_batch_string_device_budget(model, opt_state):
+    step = ox.filter_jit(_never_traced)
+    ox.max_batch(step, _never_called, target="h100", device_budget="8GiB")  # type: ignore[arg-type]
+
+
+def _case_estimate_string_compile(model, opt_state):
+    step = ox.filter_jit(_never_traced, donate="all")
+    ox.estimate(step, model, opt_state, jnp.ones((3, 16)), target="h100", compile="no")  # type: ignore[arg-type]
+
+
+def _case_donated_model_reused(model, opt_state):
+    # Issue 17, item 7: the second call passes inputs the first one donated (copies, so
+    # that the table's own model survives).
+    copies = jax.tree.map(jnp.copy, (model, opt_state))
+    step = make_step(make_optimizer(), "annotated", donate="all")
+    step(*copies, jnp.ones((3, 16)))
+    step(*copies, jnp.ones((3, 16)))
+
+
+def _case_updates_of_another_model(model, opt_state):
+    ox.apply_updates(model, scanned_model(jax.random.key(1), width=8, hidden=8))
+
+
 def optax_adam_factory():
     import optax
 
@@ -334,7 +412,83 @@ BAD_INPUTS = [
         r"same array is passed as `a.layers.w1` and `b.layers.w1`",
     ),
     (_case_not_callable, TypeError, r"not callable.*Pass the function"),
+    (
+        _case_donated_model_reused,
+        ValueError,
+        r"ox.filter_jit\(step\): `model.layers.w1`, .* donated to an earlier call "
+        r"\(donate='all'\).*Pass the step's outputs, not the donated inputs",
+    ),
+    (
+        _case_updates_of_another_model,
+        ValueError,
+        r"`updates.layers.w1` has shape \(3, 8, 8\) but `model.layers.w1` has shape "
+        r"\(3, 16, 32\), so the updates were made for another model",
+    ),
+    (
+        _case_fit_negative_device_budget,
+        ValueError,
+        r"ox.fit\(device_budget=-1\): expected a positive number of bytes \(1 or more\).*"
+        r"`device_budget=80 \* 2\*\*30` for 80 GiB, or None for the target's device memory",
+    ),
+    (_case_fit_zero_device_budget, ValueError, r"device_budget=0\): expected a positive number"),
+    (_case_fit_bool_device_budget, TypeError, r"device_budget=True\): expected an int .*a bool"),
+    (
+        _case_fit_float_device_budget,
+        TypeError,
+        r"device_budget=80.0\): expected an int number of bytes, got a float. As bytes it is "
+        r"80 B: pass `device_budget=80`; for 80 GiB, pass `device_budget=80 \* 2\*\*30`",
+    ),
+    (
+        _case_fit_large_float_device_budget,
+        TypeError,
+        r"device_budget=80000000000.0\).*74.51 GiB: pass `device_budget=80_000_000_000`",
+    ),
+    (
+        _case_fit_string_device_budget,
+        TypeError,
+        r"device_budget='80GB'\).*strings are not parsed. '80GB' reads as 80 GB, "
+        r"80_000_000_000 bytes \(74.51 GiB\): pass `device_budget=80 \* 10\*\*9`, or "
+        r"`device_budget=80 \* 2\*\*30` for 80 GiB",
+    ),
+    (
+        _case_fit_negative_host_budget,
+        ValueError,
+        r"ox.fit\(host_budget=-5\): expected 0 or more bytes \(0: nothing in host memory\)",
+    ),
+    (
+        _case_fit_zero_max_compiles,
+        ValueError,
+        r"ox.fit\(max_compiles=0\): expected a positive int \(1 or more\)",
+    ),
+    (
+        _case_max_batch_float_device_budget,
+        TypeError,
+        r"ox.max_batch\(device_budget=8000000000.0\).*pass `device_budget=8_000_000_000`",
+    ),
+    (
+        _case_max_batch_string_device_budget,
+        TypeError,
+        r"'8GiB' reads as 8 GiB, 8_589_934_592 bytes: pass `device_budget=8 \* 2\*\*30`",
+    ),
+    (
+        _case_estimate_string_compile,
+        TypeError,
+        r"ox.estimate\(compile='no'\): expected True or False, got a str",
+    ),
 ]
+
+
+@pytest.mark.parametrize("integer", [np.int64, np.int32])
+def test_numpy_integer_options_are_passed_on_as_ints(integer):
+    seen = {}
+
+    @checks_options
+    def planner(*, device_budget=None, host_budget=None, max_compiles=12, compile=True):
+        seen.update(device_budget=device_budget, host_budget=host_budget, max=max_compiles)
+
+    planner(device_budget=integer(2**30), host_budget=integer(0), max_compiles=integer(3))
+    assert seen == {"device_budget": 2**30, "host_budget": 0, "max": 3}
+    assert all(type(value) is int for value in seen.values())
 
 
 @pytest.mark.parametrize(
