@@ -33,21 +33,21 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """CPU unit tests: `nox -s tests` (pass pytest options after `--`)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,checkpoint]")
     _pytest(session, "-m", "not deviceless and not multidevice")
 
 
 @nox.session(python=PYTHON)
 def multidevice(session: nox.Session) -> None:
     """Tests on 8 CPU devices and two processes: `nox -s multidevice`."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,checkpoint]")
     _pytest(session, "-m", "multidevice")
 
 
 @nox.session(python=PYTHON)
 def deviceless(session: nox.Session) -> None:
     """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
-    session.install("-e", ".[test,cuda,tpu]")
+    session.install("-e", ".[test,checkpoint,cuda,tpu]")
     _pytest(session, "-m", "deviceless")
 
 
@@ -64,14 +64,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """pyright on the package and the tests: `nox -s typecheck`."""
-    session.install("-e", ".[test,lint]")
+    session.install("-e", ".[test,checkpoint,lint]")
     session.run("pyright", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def experiments(session: nox.Session) -> None:
     """All experiments on small defaults: `nox -s experiments` (`-- --full` for full sizes)."""
-    session.install("-e", ".[experiments,cuda,tpu]")
+    session.install("-e", ".[experiments,checkpoint,cuda,tpu]")
     size = "--full" if "--full" in session.posargs else "--smoke"
     for script in sorted(os.listdir("experiments")):
         if script.endswith(".py") and not script.startswith("_"):

@@ -13,7 +13,8 @@ The modules form layers; each imports only from the layers above it (checked by
    sharding, mirrored optimizer state, donation, outputs <-> arguments, the name checks).
 4. tracing: `_trace_state` (the one trace state), `_regions` (ox.scan, ox.checkpoint,
    ox.name, ox.fetch), `_annotate`, `_own_regions` (modules with host fields bring a
-   region), `_place` (ox.place, ox.shard), `_guard` (implicit transfers at run time),
+   region), `_place` (ox.place, ox.abstract, ox.shard), `_checkpoints` (restoring
+   into planned memory), `_guard` (implicit transfers at run time),
    `_host_use`, `_compile` (one compiled entry), `_call_errors` (a failed call said in
    leaf paths), `_interrupts` (Ctrl-C held during donating calls), `_dispatch` (the
    per-call path), `_jit` (ox.filter_jit).
@@ -31,6 +32,11 @@ from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a re
 from ._activations import Activations as Activations, activations as activations
 from ._annotate import annotate as annotate
 from ._audit import audit as audit
+from ._checkpoints import (
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+    tree_deserialise_leaves as tree_deserialise_leaves,
+)
 from ._errors import (
     ContractError as ContractError,
     HostUseError as HostUseError,
@@ -55,7 +61,7 @@ from ._optimizer import (
     offload_optimizer as offload_optimizer,
     update_and_apply as update_and_apply,
 )
-from ._place import place as place, shard as shard
+from ._place import abstract as abstract, place as place, shard as shard
 from ._placement import Placement as Placement, field as field
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._regions import checkpoint as checkpoint, fetch as fetch, name as name, scan as scan

@@ -8,7 +8,6 @@ that every declared name was produced.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,33 +16,17 @@ import numpy as np
 from jax.core import Tracer
 
 from ._errors import is_host_use_error
-from ._host_compute import check_host_compute
+from ._host_compute import check_host_compute, on_host_if_cheap
 from ._host_use import locate_host_use
-from ._memory_space import is_host_aval
+from ._memory_space import is_host_aval, is_host_typed, to_device, to_host
+from ._mesh import typed
 from ._plan import LeafPlan, Plan
 from ._plan_walk import format_keys, is_array_leaf
 from ._trace_state import tracing
 
-
-@functools.cache
-def _single_device_mesh(device: Any) -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.array([device]), ("_device",))
-
-
-def typed(sharding: Any) -> Any:
-    """A sharding that types a `jax.ShapeDtypeStruct` by its memory kind.
-
-    A `ShapeDtypeStruct` with a `SingleDeviceSharding(..., memory_kind="pinned_host")`
-    traces as device memory; the equivalent `NamedSharding` traces as `<host>`.
-    """
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        (device,) = sharding.device_set
-        return jax.sharding.NamedSharding(
-            _single_device_mesh(device),
-            jax.sharding.PartitionSpec(),
-            memory_kind=sharding.memory_kind,
-        )
-    return sharding
+# A host-resident output is built on the host when what it reads of the device is at
+# most this many bytes (a PRNG key, a shape): the model never exists on the device.
+HOST_BUILD_LIMIT = 2**20
 
 
 def make_flat(
@@ -54,18 +37,16 @@ def make_flat(
     statics: tuple,
     out_cell: list,
     check: bool = True,
+    placing: tuple | None = None,
 ) -> Callable[..., list]:
-    """The function of the array leaves: rebuild the arguments, call under `plan`."""
+    """The function of the array leaves: rebuild the arguments, call under `plan`, and
+    put each output in the memory `placing` gives it (None: as traced)."""
 
-    def flat(*dynamic):
-        if tuple((tuple(x.shape), x.dtype) for x in dynamic) != plan.types:
-            raise NewArgumentTypes()
+    def outputs(*dynamic) -> tuple[Any, list]:
         dynamic_iter, static_iter = iter(dynamic), iter(statics)
         leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
         with tracing(plan, dynamic) as state:
             out = call(jax.tree_util.tree_unflatten(treedef, leaves))
-        if check:
-            plan.check_names(state.inside_regions, state.outside_regions, state.regions)
         out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
         out_mask = tuple(map(is_array_leaf, out_leaves))
         out_cell[:] = [
@@ -73,9 +54,47 @@ def make_flat(
             tuple(x for x, m in zip(out_leaves, out_mask) if not m),
             out_mask,
         ]
-        return [x for x, m in zip(out_leaves, out_mask) if m]
+        return state, [x for x, m in zip(out_leaves, out_mask) if m]
+
+    def flat(*dynamic):
+        if tuple((tuple(x.shape), x.dtype) for x in dynamic) != plan.types:
+            raise NewArgumentTypes()
+        state, outs = outputs(*dynamic)
+        if check:
+            plan.check_names(state.inside_regions, state.outside_regions, state.regions)
+        if placing is not None:
+            flatten = plan.mesh is None  # on a mesh, a reshape could reshard
+            outs = _placed(outs, placing, lambda *d: outputs(*d)[1], dynamic, flatten)
+        return outs
 
     return flat
+
+
+def _placed(outs: list, memories: tuple, recompute: Callable, dynamic, flatten: bool) -> list:
+    """Outputs moved to the memory their own annotations give them (a model or an
+    optimizer state the step creates). Host-resident ones are computed on the host when
+    they read little of the device; else computed on the device and moved there."""
+    outs = list(outs)
+    hosted = [
+        i
+        for i, (x, m) in enumerate(zip(outs, memories))
+        if m == "pinned_host" and not is_host_typed(x)
+    ]
+    for i, (x, m) in enumerate(zip(outs, memories)):
+        if m == "device" and is_host_typed(x):
+            outs[i] = to_device(x)
+    if not hosted:
+        return outs
+    built = on_host_if_cheap(
+        lambda *d: [recompute(*d)[i] for i in hosted],
+        list(dynamic),
+        HOST_BUILD_LIMIT,
+        name="building host-resident outputs",
+        flatten=flatten,
+    )
+    for i, x in zip(hosted, built or [to_host(outs[i]) for i in hosted]):
+        outs[i] = x
+    return outs
 
 
 class NewArgumentTypes(Exception):
@@ -98,7 +117,7 @@ class Compilation:
     donate_argnums: tuple[int, ...]
     # [out_treedef, out_static, out_mask], written by each trace of the function.
     out_cell: list
-    remake: Callable[[Plan], Callable[..., list]]  # `flat` under another plan
+    remake: Callable[..., Callable[..., list]]  # `flat` under another plan
     # The program traced when the entry was made (a ClosedJaxpr): the audit walks it
     # rather than tracing again.
     jaxpr: Any = None
@@ -166,11 +185,14 @@ def compile_entry(
     keep_root: int | None,
     caller: str,
 ) -> Compilation:
-    """Trace `call` on abstract values typed by the plan, then build its `jax.jit`."""
+    """Trace `call` on abstract values typed by the plan, place the outputs it creates
+    where their annotations say, then build its `jax.jit`."""
     cell: list = []
+    placing: list = [None]  # each output's memory, once the first trace has shown them
+    platform = _device_of(dynamic).platform
 
     def remake(other: Plan, check: bool = True) -> Callable[..., list]:
-        return make_flat(call, other, treedef, mask, statics, cell, check)
+        return make_flat(call, other, treedef, mask, statics, cell, check, placing[0])
 
     flat = remake(plan)
     in_shardings = tuple(leaf.sharding for leaf in plan.leaves)
@@ -184,14 +206,23 @@ def compile_entry(
         if not is_host_use_error(error):
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
+    out_treedef, out_static, out_mask = cell
+    created = plan.outputs(out_treedef, out_static, out_mask, traced.jaxpr.out_avals)
+    plan.check_strategy(created)
+    memories = tuple(None if leaf is None else leaf.memory for leaf in created)
+    traced_memories = (
+        "pinned_host" if is_host_aval(a) else "device" for a in traced.jaxpr.out_avals
+    )
+    if any(m is not None and m != t for m, t in zip(memories, traced_memories)):
+        placing[0] = memories
+        entry.flat = flat = remake(plan)
+        traced = jax.jit(flat).trace(*abstract)
     plan.check_offloads(traced.jaxpr.jaxpr)
-    platform = _device_of(dynamic).platform
     check_host_compute(traced.jaxpr, platform, f"this machine's {platform!r} device")
     entry.jaxpr = traced.jaxpr
     entry.out_avals = tuple(traced.jaxpr.out_avals)
-    out_treedef, _, out_mask = cell
     entry.out_shardings = plan.output_shardings(
-        out_treedef, out_mask, entry.out_avals, _device_of(dynamic)
+        out_treedef, out_mask, entry.out_avals, _device_of(dynamic), created
     )
     entry.donate_argnums = plan.donated(donate, out_treedef, out_mask, entry.out_avals, keep_root)
     entry.jitted = jax.jit(

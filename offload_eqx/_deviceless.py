@@ -113,7 +113,7 @@ def program_of_step(wrapper: Any, args: tuple, kwargs: dict) -> Program:
         for leaf, s in zip(leaves, entry.in_shardings)
     ]
     return Program(
-        flat_on=lambda target_mesh: entry.flat_on(target_mesh),
+        flat_on=entry.flat_on,
         leaves=list(leaves),
         in_memories=memories,
         specs=specs,

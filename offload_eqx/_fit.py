@@ -49,7 +49,7 @@ from ._fit_space import (
     describe_part,
     named_values,
 )
-from ._host_compute import host_compute_problem
+from ._host_compute import host_update_problem
 from ._jit import FilterJit, filter_jit
 from ._memory_report import memory_report
 from ._options import checks_options
@@ -186,7 +186,7 @@ def fit(
     declared = {name: policy for name, (policy, _) in plan.declared_activations.items()}
     params = ("device", "pinned_host") if "param" in roles else ("device",)
     # "host": the state in host memory, updated there, where the target can compute.
-    host = ("host",) if host_compute_problem(resolved.platform) is None else ()
+    host = ("host",) if host_update_problem(resolved.platform) is None else ()
     optimizer = ("device", "pinned_host", *host) if "optimizer" in roles else ("device",)
 
     # The plan that recomputes everything: which names the forward pass produces, which

@@ -33,7 +33,8 @@ import equinox as eqx
 import jax
 import jax.extend as jex
 import numpy as np
-from jax.core import ShapedArray, Tracer
+from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
+from jax.core import ShapedArray, Tracer, eval_jaxpr
 from jax.experimental.compute_on import compute_on
 
 from ._memory_space import is_host_typed, labelled, to_host
@@ -46,10 +47,14 @@ except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
 HOST = "device_host"
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
-# Platforms on which a host computation is refused, and why. Measured with the deviceless
-# compilers (`experiments/optimizer_offloading.py`'s programs at DIM 1024, the refusal
-# bypassed); the issue's probe saw XLA:TPU give the host call's operands a linear layout.
-HOST_COMPUTE_PROBLEMS: dict[str, str] = {
+# The host computations of the optimizer update on the host (`update_on="host"`), and
+# the platforms on which they are refused, and why. Measured with the deviceless compilers
+# (`experiments/optimizer_offloading.py`'s programs at DIM 1024, the refusal bypassed); the
+# issue's probe saw XLA:TPU give the host call's operands a linear layout. Building state
+# on the host (`_compile`, `_optimizer_state`) is not refused: a stacked model built for
+# tpu-v5p that way needs 512 B of device memory (128 MiB on the host).
+HOST_UPDATE = ("optimizer update", "apply updates")
+HOST_UPDATE_PROBLEMS: dict[str, str] = {
     "tpu": (
         "XLA:TPU gains nothing from it: on the tutorial's optimizer workload (DIM 1024, "
         "deviceless tpu-v5p) the host update needs 57.4 MiB of device memory against "
@@ -58,18 +63,18 @@ HOST_COMPUTE_PROBLEMS: dict[str, str] = {
 }
 
 
-def host_compute_problem(platform: str) -> str | None:
-    """Why a host computation is refused on `platform` (`"cuda"`, `"tpu"`, `"cpu"`), if
-    it is."""
-    return HOST_COMPUTE_PROBLEMS.get(platform)
+def host_update_problem(platform: str) -> str | None:
+    """Why the optimizer update on the host is refused on `platform` (`"cuda"`, `"tpu"`,
+    `"cpu"`), if it is."""
+    return HOST_UPDATE_PROBLEMS.get(platform)
 
 
 def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
-    """Raise a `ValueError` if the traced step computes on the host and `platform`
-    refuses host computation: decided when the step is compiled, never a silent
+    """Raise a `ValueError` if the traced step updates its optimizer state on the host
+    and `platform` refuses that: decided when the step is compiled, never a silent
     fallback to the device."""
-    problem = host_compute_problem(platform)
-    if problem is None or not has_host_computation(jaxpr):
+    problem = host_update_problem(platform)
+    if problem is None or not set(host_computations(jaxpr)) & set(HOST_UPDATE):
         return
     raise ValueError(
         f"The step computes on the host (`ox.offload_optimizer(update_on='host')`, or a "
@@ -87,22 +92,30 @@ def is_host_computation(eqn: Any) -> bool:
     return getattr(getattr(eqn, "ctx", None), "compute_type", None) == HOST
 
 
-def has_host_computation(jaxpr: Any) -> bool:
-    """Whether a (closed) jaxpr computes anything on the host, at any depth."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if is_host_computation(eqn):
-            return True
+def host_computations(jaxpr: Any) -> list[str]:
+    """The name of every host computation of a (closed) jaxpr, at any depth
+    (`"optimizer update"`; "host computation" where none was given)."""
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "compute_on" and eqn.params.get("compute_type") == HOST:
+            stack = str(eqn.source_info.name_stack)
+            start = stack.rfind(NAME_SCOPE + "[")
+            found.append(stack[start + len(NAME_SCOPE) + 1 :].split("]")[0] if start >= 0 else "")
+            continue
         for sub in jex.core.jaxprs_in_params(eqn.params):
-            if has_host_computation(sub):
-                return True
-    return False
+            found.extend(host_computations(sub))
+    return found
 
 
 def _separate_consts(closed: Any) -> tuple[Any, list]:
-    from jax._src.interpreters import partial_eval as pe  # private: only for closures
-
     return pe.separate_consts(closed)
+
+
+def _sharded_in_type(x: Any) -> bool:
+    """Whether `x`'s type names mesh axes (Explicit sharding): a reshape of it must say
+    how the result is sharded, so it is not flattened."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    return any(entry is not None for entry in spec)
 
 
 def _device_aval(x: Any) -> Any:
@@ -136,7 +149,7 @@ def on_host(
     shapes = [np.shape(x) for _, x in with_path]
     sent = []
     for path, x in with_path:
-        flat = flatten and np.ndim(x) >= 2
+        flat = flatten and np.ndim(x) >= 2 and not _sharded_in_type(x)
         if not is_host_typed(x):
             index = getattr(path[0], "idx", 0)
             kind, root = labels[index] if index < len(labels) else ("input", f"args[{index}]")
@@ -170,3 +183,31 @@ def on_host(
             compiler_options_json=None,
         )
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64)) * x.dtype.itemsize
+
+
+def on_host_if_cheap(
+    fn: Callable[..., Any],
+    operands: list,
+    limit: int,
+    name: str = "host computation",
+    flatten: bool = True,
+) -> list | None:
+    """`fn(*operands)` (a list of arrays) computed on the host, when the operands it
+    actually reads that are in device memory add up to at most `limit` bytes (a PRNG
+    key: a model built from it is computed where it will live); None otherwise, for the
+    caller to compute on the device. Operands `fn` does not read are not sent."""
+    closed = jax.make_jaxpr(fn)(*[_device_aval(x) for x in operands])
+    jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    read = [x for x, u in zip(operands, used) if u]
+    if sum(_nbytes(x) for x in read if not is_host_typed(x)) > limit:
+        return None
+    consts = closed.consts
+
+    def run(*kept: Any) -> list:
+        return eval_jaxpr(jaxpr, consts, *kept)
+
+    return on_host(run, *read, name=name, flatten=flatten)

@@ -70,7 +70,7 @@ def _is_device(aval) -> bool:
 
 
 def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
 
 
 def _is_var(v) -> bool:

@@ -148,7 +148,6 @@ class FilterJit(eqx.Module):
                     stacklevel=4,
                 )
         plan = self.plan(*args, **kwargs)
-        plan.check_strategy()
         keep_root = None
         if self.donate == "all-except-first" and args:
             keep_root = 1 if self.fn_has_arrays else 0

@@ -68,14 +68,27 @@ def effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy)
     return placement.memory if mode == "annotated" else cast(Memory, mode)
 
 
-def mirrored(keys: tuple, shape: tuple, params: dict[tuple, int], leaves: list) -> int | None:
-    """The parameter whose key path occurs in an optimizer-state leaf's key path (the
-    longest such path), if its shape is the state leaf's: Adam's `mu.layers.w1` mirrors
-    `layers.w1`, a streamed `leaves.layers.w1[0].mu` too."""
+def parameter_suffixes(params: dict[tuple, int]) -> dict[tuple, int | None]:
+    """Every suffix of every parameter's key path, with the parameter it names (None
+    where two parameters end the same way): a state leaf mirrors its parameter by the
+    part of the path below the container that holds both (`tree[0].layers.w1` and
+    `tree[1].inner[0].mu.layers.w1` in one `(model, opt_state)` tuple share `.layers.w1`)."""
+    found: dict[tuple, int | None] = {}
+    for keys, index in params.items():
+        for start in range(len(keys)):
+            suffix = keys[start:]
+            found[suffix] = index if found.get(suffix, index) == index else None
+    return found
+
+
+def mirrored(keys: tuple, shape: tuple, suffixes: dict[tuple, int | None], leaves: list):
+    """The parameter whose key path (or the longest unambiguous end of it) occurs in an
+    optimizer-state leaf's key path, if its shape is the state leaf's: Adam's
+    `mu.layers.w1` mirrors `layers.w1`, a streamed `leaves.layers.w1[0].mu` too."""
     n = len(keys)
     for length in range(n, 0, -1):
         for start in range(0, n - length + 1):
-            index = params.get(keys[start : start + length])
+            index = suffixes.get(keys[start : start + length])
             if index is not None and leaves[index]["shape"] == shape:
                 return index
     return None

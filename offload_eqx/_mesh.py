@@ -10,6 +10,7 @@ program and the outputs keep the shardings it chose; under `Explicit` axes the s
 is part of each traced type, so the outputs get exactly the shardings of their types.
 """
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -73,8 +74,8 @@ def check_mesh(mesh: object, *, where: str) -> None:
 def _mesh_of_leaf(leaf: Any) -> Mesh | None:
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        # `_jit._typed` wraps single-device shardings in a one-device mesh to type
-        # abstract arguments; that mesh is an implementation detail, not the user's.
+        # `typed` wraps single-device shardings in a one-device mesh to type abstract
+        # arguments; that mesh is an implementation detail, not the user's.
         if sharding.mesh.axis_names != ("_device",):
             return sharding.mesh
     return None
@@ -199,3 +200,24 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         return jax.device_put(x, sharding)
     value = np.asarray(x)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+@functools.cache
+def _single_device_mesh(device: Any) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array([device]), ("_device",))
+
+
+def typed(sharding: Any) -> Any:
+    """A sharding that types a `jax.ShapeDtypeStruct` by its memory kind.
+
+    A `ShapeDtypeStruct` with a `SingleDeviceSharding(..., memory_kind="pinned_host")`
+    traces as device memory; the equivalent `NamedSharding` traces as `<host>`.
+    """
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return jax.sharding.NamedSharding(
+            _single_device_mesh(device),
+            jax.sharding.PartitionSpec(),
+            memory_kind=sharding.memory_kind,
+        )
+    return sharding

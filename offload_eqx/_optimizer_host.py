@@ -32,17 +32,10 @@ from ._optimizer_state import (
     call_update,
     check_matches,
     check_ours,
+    flatten_transfers,
     shapes,
     trainable,
 )
-from ._trace_state import active_plan
-
-
-def flatten_transfers() -> bool:
-    """Whether arrays sent to a host computation may be flattened (see `_host_compute`):
-    on one device, where a reshape cannot reshard."""
-    plan = active_plan()
-    return plan is None or plan.mesh is None or plan.mesh.size == 1
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:

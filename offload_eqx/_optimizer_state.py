@@ -8,10 +8,13 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
+from jax.core import Tracer
 
+from ._host_compute import on_host_if_cheap
 from ._memory_space import is_host_typed, to_device, to_host
 from ._placement import Placement
 from ._plan import state_shardings
+from ._trace_state import active_plan
 
 NAME = "ox.offload_optimizer"
 
@@ -107,29 +110,70 @@ def call_update(
 # -- where the state lives ----------------------------------------------------------------
 
 
+# State computed on the host may read at most this many bytes of the device (Adam's
+# `zeros_like` reads none): beyond that, it is computed on the device and sent back.
+HOST_INIT_LIMIT = 2**20
+
+
 def init_in_place(
     init_on_device: Callable[[Any], Any], params: Any, memory: str, update: str = "device"
 ) -> Any:
     """Initialise optimizer state straight into its planned memory.
 
-    One jit fetches the parameters, initialises on the device and writes the state into
-    its memory: no eager op touches a host array, and the state is never all on the
-    device at once. The in-program `to_host` matters: an array that only `out_shardings`
-    puts in host memory keeps a device type, and later traces would treat it as device
-    memory. On a mesh, each leaf is sharded like the parameter it mirrors.
+    The state that lives in host memory is computed there, in one host computation
+    (Adam's moments are zeros: nothing of the parameters is read); a state that reads
+    more of the device than `HOST_INIT_LIMIT` is computed on the device and sent back in
+    the same program (`to_host`: an array that only `out_shardings` puts in host memory
+    keeps a device type, and later traces would treat it as device memory). Either way
+    the state is never all on the device at once. On a mesh, each leaf is sharded like
+    the parameter it mirrors. Inside a trace (`ox.filter_jit(opt.init)`), the enclosing
+    program places the outputs; outside, one jit does.
     """
     abstract = eqx.filter_eval_shape(init_on_device, params)
-    shardings = state_shardings(params, abstract, memory=memory, update=update)
+    traced = any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves(params))
+    shardings = state_shardings(params, abstract, memory=memory, update=update, traced=traced)
+    host = jax.tree_util.tree_map(
+        lambda s: s is not None and s.memory_kind == "pinned_host",
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
 
     def init_placed(params):
-        return jax.tree_util.tree_map(
-            lambda x, s: to_host(x) if s is not None and s.memory_kind == "pinned_host" else x,
-            init_on_device(params),
-            shardings,
-            is_leaf=lambda x: x is None,
-        )
+        state = init_on_device(params)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        wanted = [bool(h) for h in jax.tree_util.tree_leaves(host)]
+        on_host = None
+        if any(wanted):
+            dynamic, static = eqx.partition(params, eqx.is_array)
+            operands = jax.tree_util.tree_leaves(dynamic)
+            rebuild = jax.tree_util.tree_structure(dynamic)
 
+            def selected(*flat):
+                built = init_on_device(
+                    eqx.combine(jax.tree_util.tree_unflatten(rebuild, flat), static)
+                )
+                return [x for x, w in zip(jax.tree_util.tree_leaves(built), wanted) if w]
+
+            on_host = on_host_if_cheap(
+                selected, operands, HOST_INIT_LIMIT, "optimizer init", flatten_transfers()
+            )
+        made = iter(on_host or [])
+        placed = [
+            (next(made) if on_host is not None else to_host(x)) if w else x
+            for x, w in zip(leaves, wanted)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
+    if traced:
+        return init_placed(params)
     return jax.jit(init_placed, out_shardings=shardings)(params)
+
+
+def flatten_transfers() -> bool:
+    """Whether arrays sent to a host computation may be flattened (see `_host_compute`):
+    on one device, where a reshape cannot reshard."""
+    plan = active_plan()
+    return plan is None or plan.mesh is None or plan.mesh.size == 1
 
 
 # -- is this our state, for these parameters? ----------------------------------------------

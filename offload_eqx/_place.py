@@ -10,7 +10,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._memory_space import to_host, type_matches
-from ._mesh import AnyMesh, check_mesh, check_spec, put, resolve_mesh
+from ._mesh import AnyMesh, check_mesh, check_spec, put, resolve_mesh, typed
 from ._placement import check_memory
 from ._plan import Plan
 from ._plan_walk import format_keys
@@ -56,6 +56,45 @@ def place(
         return _retyped(put(leaf, sharding), sharding)  # also across processes
 
     return jax.tree_util.tree_map(move, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def abstract(
+    tree: Any,
+    strategy: "str | Strategy | None" = None,
+    *,
+    mesh: AnyMesh | None = None,
+) -> Any:
+    """`tree` with every array leaf replaced by a `jax.ShapeDtypeStruct` of its shape,
+    dtype and planned sharding, memory kind included: the target that restores a
+    checkpoint straight into planned memory.
+
+    **Arguments:**
+
+    - `tree`: a model, an optimizer state, or a pytree of them (`(model, opt_state)`);
+        its array leaves may be arrays or `jax.ShapeDtypeStruct`s (from
+        `eqx.filter_eval_shape`: nothing is allocated).
+    - `strategy`: the strategy the state will be used under (`"hybrid"`, ...); by default
+        the model's own annotations.
+    - `mesh`: the mesh over which leaves with a `spec` are sharded (optimizer state
+        mirrors its parameter's spec).
+
+    Non-array leaves are returned unchanged. A single-device leaf's sharding is typed by
+    its memory (a `NamedSharding` on a one-device mesh), so that what is restored into it
+    is a host-typed array, as `ox.place` would give:
+
+    ```python
+    target = ox.abstract((model, opt_state), "hybrid")
+    model, opt_state = ocp.StandardCheckpointer().restore(path, eqx.filter(target, eqx.is_array))
+    ```
+    """
+    shardings = Plan([("tree", tree)], strategy, mesh).tree_shardings(0)
+
+    def one(leaf: Any, sharding: Any) -> Any:
+        if sharding is None:  # not an array: no sharding planned
+            return leaf
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=typed(sharding))
+
+    return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
 
 
 def shard(

@@ -21,7 +21,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._activations import Policy
-from ._leaf_plan import LeafPlan, current_sharding, effective_memory, mirrored
+from ._leaf_plan import (
+    LeafPlan,
+    current_sharding,
+    effective_memory,
+    mirrored,
+    parameter_suffixes,
+)
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
 from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
@@ -59,9 +65,14 @@ class Plan:
         roots: Sequence[tuple[str, Any]],
         strategy: Strategy | str | None = None,
         mesh: AnyMesh | None = None,
+        *,
+        specs_need_a_mesh: bool = True,
     ):
         strategy = resolve_strategy(strategy)
         self.strategy = strategy
+        # False where only memories are asked for (an optimizer state initialised under
+        # `eqx.filter_eval_shape`, which has no mesh): a spec is then not an error.
+        self._specs_need_a_mesh = specs_need_a_mesh
         # The mesh is given once; later calls find it on the arrays placed over it.
         self.mesh: AnyMesh | None = resolve_mesh(roots, mesh)
         self.roots: tuple[str, ...] = tuple(label for label, _ in roots)
@@ -99,7 +110,9 @@ class Plan:
             self._structure.append((treedef, tuple(indices)))
 
         # Parameters first: optimizer state is sharded like the parameter it mirrors.
-        params = {e["keys"]: i for i, e in enumerate(entries) if e["role"] != "optimizer"}
+        params = parameter_suffixes(
+            {e["keys"]: i for i, e in enumerate(entries) if e["role"] != "optimizer"}
+        )
         shardings: list[Any] = [None] * len(entries)
         order = sorted(range(len(entries)), key=lambda i: entries[i]["role"] == "optimizer")
         for i in order:
@@ -160,7 +173,7 @@ class Plan:
             else:
                 check_spec(entry["path"], entry["shape"], spec, mesh)
             return NamedSharding(mesh, spec, memory_kind=memory)
-        if spec is not None and entry["role"] != "optimizer":
+        if spec is not None and entry["role"] != "optimizer" and self._specs_need_a_mesh:
             raise ValueError(_NO_MESH.format(path=entry["path"], spec=spec))
         if current is None:
             return SingleDeviceSharding(jax.devices()[0], memory_kind=memory or "device")
@@ -239,15 +252,39 @@ class Plan:
             result.append(leaf)
         return tuple(result)
 
-    def output_shardings(self, out_treedef, out_mask, out_avals, device) -> tuple:
+    def outputs(self, out_treedef, out_static, out_mask, out_avals) -> tuple:
+        """For each array output that the step creates, its `LeafPlan` under its own
+        annotations and this strategy (a model built from a key: `ox.filter_jit(lambda
+        key: Model(key))`, an optimizer state: `ox.filter_jit(opt.init)`); None for the
+        others and for those nothing annotates. An output with the structure of a pytree
+        argument is that argument's new value, or a value derived from it (gradients,
+        updates), and stays where the step computes it."""
+        new_values = self.output_arguments(
+            out_treedef, out_mask, out_avals, unique=False, containers_only=True
+        )
+        dynamic = iter(jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in out_avals)
+        static = iter(out_static)
+        tree = jax.tree_util.tree_unflatten(
+            out_treedef, [next(dynamic) if m else next(static) for m in out_mask]
+        )
+        own = Plan([("output", tree)], self.strategy, self.mesh).leaves
+        return tuple(
+            None if new is not None or leaf.memory is None else leaf
+            for new, leaf in zip(new_values, own)
+        )
+
+    def output_shardings(self, out_treedef, out_mask, out_avals, device, created=()) -> tuple:
         """Each array output's sharding: its memory follows its traced type; over a mesh
         an output that is the new value of an argument keeps that argument's spec (so
-        the next step moves nothing), and other outputs follow their type under Explicit
-        axes or are left to the compiler (None) under Auto axes."""
+        the next step moves nothing), an output the step creates takes the spec its
+        annotations give it (`created`, from `outputs`), and other outputs follow their
+        type under Explicit axes or are left to the compiler (None) under Auto axes."""
         result = []
         like = self.output_arguments(out_treedef, out_mask, out_avals, unique=False)
-        for aval, leaf in zip(out_avals, like):
+        created = tuple(created) or (None,) * len(out_avals)
+        for aval, leaf, own in zip(out_avals, like, created):
             memory = "pinned_host" if is_host_aval(aval) else "device"
+            leaf = own if own is not None else leaf
             if self.mesh is None:
                 result.append(SingleDeviceSharding(device, memory_kind=memory))
             elif leaf is not None and isinstance(leaf.sharding, NamedSharding):
@@ -258,10 +295,12 @@ class Plan:
 
     # -- checks --------------------------------------------------------------------------
 
-    def check_strategy(self) -> None:
-        """A strategy that asks for host memory must find something to put there."""
+    def check_strategy(self, created: Sequence[Any] = ()) -> None:
+        """A strategy that asks for host memory must find something to put there: among
+        the arguments, or among the outputs the step creates (`created`, from
+        `outputs`)."""
         strategy = self.strategy
-        roles = {leaf.role for leaf in self.leaves}
+        roles = {leaf.role for leaf in (*self.leaves, *created) if leaf is not None}
         asked = []
         if strategy.params == "pinned_host":
             asked.append(
@@ -380,13 +419,17 @@ def plan(
     return Plan([(name, tree)], strategy, mesh)
 
 
-def state_shardings(params: Any, state: Any, *, memory: str = "pinned_host", update="device"):
+def state_shardings(
+    params: Any, state: Any, *, memory: str = "pinned_host", update="device", traced=False
+):
     """The planned sharding of every array leaf of an optimizer `state` (None at other
     leaves) for `params`: non-scalar state in `memory` as declared by the optimizer,
     sharded like the parameter whose key path it mirrors (replicated where shapes
-    differ), on the mesh the parameters are on."""
+    differ), on the mesh the parameters are on. With `traced` (parameters inside a trace,
+    which carry no mesh), only the memory kinds of the result are meaningful."""
     strategy = Strategy("init", optimizer=cast(Any, memory), update=cast(Any, update))
-    return Plan([("params", params), ("opt_state", state)], strategy).tree_shardings(1)
+    roots = [("params", params), ("opt_state", state)]
+    return Plan(roots, strategy, specs_need_a_mesh=not traced).tree_shardings(1)
 
 
 def format_path(root: str, keys: Any) -> str:

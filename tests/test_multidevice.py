@@ -485,3 +485,20 @@ def test_arguments_on_two_devices_are_named_by_path():
     with pytest.raises(ValueError) as caught:
         jax.jit(lambda a, b: a + b)(jax.device_put(jnp.ones(4), jax.devices()[0]), x[0])
     assert is_incompatible_devices(caught.value)  # JAX's words, pinned
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "equinox"])
+def test_checkpoint_restored_on_a_mesh_in_a_new_process(tmp_path, fmt):
+    """Issue 18: the FSDP-sharded hybrid state of a 2x4 mesh, checkpointed after one step
+    and restored in a new process, lands sharded and in pinned_host before any step, and
+    trains on with an uninterrupted run's losses, bit for bit."""
+    from test_checkpoints import assert_resumed_equals_straight
+
+    (tmp_path / "straight").mkdir()
+    if fmt == "equinox":
+        (tmp_path / "ckpt").mkdir()
+    resumed = assert_resumed_equals_straight(tmp_path, fmt, "mesh", env={"XLA_FLAGS": EIGHT})
+    w1 = resumed["restored"]["[0].layers.w1"]
+    mu = resumed["restored"]["[1].inner[1][0].mu.layers.w1"]
+    assert w1 == ["pinned_host", "P(None, 'fsdp', None)", "host"]
+    assert mu == w1  # the optimizer state is sharded like its parameter
