@@ -9,7 +9,7 @@ The modules form layers; each imports only from the layers above it (checked by
 2. sharding: `_memory_space` (host or device types, explicit moves), `_mesh` (specs over
    a mesh, moving arrays onto it).
 3. plan: `_plan_walk` (reading annotations), `_remat_policy` (names under a strategy),
-   `_leaf_plan` (where one leaf lives), `_plan` (every placement rule: memory,
+   `_leaf_plan` (where one leaf lives), `_plan_print`, `_plan` (every placement rule: memory,
    sharding, mirrored optimizer state, donation, outputs <-> arguments, the name checks).
 4. tracing: `_trace_state` (the one trace state), `_regions` (ox.scan, ox.checkpoint,
    ox.name, ox.fetch), `_annotate`, `_own_regions` (modules with host fields bring a
@@ -24,12 +24,17 @@ The modules form layers; each imports only from the layers above it (checked by
    `_targets` (targets and their speeds), `_target_devices`, `_deviceless`,
    `_memory_report` (ox.memory_report).
 7. planning: `_flops` (the work of a traced step per phase), `_calibrate` (this machine's
-   speeds), `_estimate` (ox.estimate), `_fit_space`, `_fit_result`, `_fit` (ox.fit),
+   speeds), `_estimate` (ox.estimate), `_fit_space`, `_fit_result`, `_fit_search`,
+   `_fit_refine`, `_fit` (ox.fit),
    `_max_batch` (ox.max_batch).
 """
 
 from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
-from ._activations import Activations as Activations, activations as activations
+from ._activations import (
+    Activations as Activations,
+    LayerSplit as LayerSplit,
+    activations as activations,
+)
 from ._annotate import annotate as annotate
 from ._audit import audit as audit
 from ._checkpoints import (

@@ -28,6 +28,56 @@ def check_policy(name: str, policy: object, *, where: str) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+    """A name's policy in the first `layers` layers of every `ox.scan` (`first`) and in
+    the layers after them (`rest`): `LayerSplit("save", 10, "offload")`, written
+    `("save", 10, "offload")` in `ox.Strategy(names=...)`. The scan runs as consecutive
+    segments, each with its own remat policy; regions outside a scan use `rest`."""
+
+    first: Policy
+    layers: int
+    rest: Policy
+
+    def policies(self) -> tuple[Policy, Policy]:
+        return (self.first, self.rest)
+
+    def at(self, layer: int) -> Policy:
+        """The policy in layer `layer` (0-based) of a scan."""
+        return self.first if layer < self.layers else self.rest
+
+    def __str__(self) -> str:
+        return f"{self.first}[:{self.layers}]+{self.rest}"
+
+
+def policies_of(policy: "Policy | LayerSplit") -> tuple[Policy, ...]:
+    """The policies a name has in some layer: one, or a split's two."""
+    return policy.policies() if isinstance(policy, LayerSplit) else (policy,)
+
+
+def check_layer_split(name: str, value: object, *, where: str) -> "Policy | LayerSplit":
+    """A policy, or `(first, layers, rest)` as a `LayerSplit`, checked."""
+    if isinstance(value, LayerSplit):
+        value = (value.first, value.layers, value.rest)
+    if isinstance(value, tuple):
+        if (
+            len(value) != 3
+            or not isinstance(value[1], int)
+            or isinstance(value[1], bool)
+            or value[1] < 0
+        ):
+            raise ValueError(
+                f"{where} gives activation {name!r} the policy {value!r}; a policy split by "
+                "layers is `(policy in the first layers, how many layers, policy in the "
+                "rest)`, e.g. `('save', 10, 'offload')`."
+            )
+        check_policy(name, value[0], where=where)
+        check_policy(name, value[2], where=where)
+        return LayerSplit(value[0], value[1], value[2])
+    check_policy(name, value, where=where)
+    return value  # type: ignore[return-value]
+
+
 class Activations:
     """Per-name policies for activations named with `ox.name`.
 

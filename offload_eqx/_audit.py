@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._activations import policies_of
 from ._errors import (
     ContractError as ContractError,
     Violation as Violation,
@@ -178,7 +179,7 @@ def _check_activations(plan: Plan, walker: _Walker, transfers: list[Transfer]) -
     for name, policy in plan.activations.items():
         declared, module_path = plan.declared_activations[name]
         moved = [t for t in transfers if t.kind == "activation" and t.what == name]
-        if policy != "offload" and moved:
+        if "offload" not in policies_of(policy) and moved:
             walker.violate(
                 "activation moved",
                 name,

@@ -172,6 +172,16 @@ class Delta:
     flops: float
     recompute_flops: float
 
+    def __mul__(self, share: float) -> "Delta":
+        """The difference made in a share of the layers (a name saved in `k` of `L`)."""
+        return Delta(
+            self.sums * share,
+            self.chunks,
+            self.before * share,
+            self.flops * share,
+            self.recompute_flops * share,
+        )
+
 
 def load_of(costs: Costs) -> Load:
     n = costs.devices

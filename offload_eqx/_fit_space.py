@@ -41,6 +41,7 @@ class NamedValue:
     name: str
     bytes: int  # per step: the value's size times the trip counts of its enclosing scans
     carry: bool  # the carry of an enclosing scan
+    layers: int = 1  # the trip count of its enclosing scans (its layers), at most
 
 
 def named_values(jaxpr: Any) -> dict[str, NamedValue]:
@@ -59,7 +60,10 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
                 name = eqn.params["name"]
                 previous = found.get(name)
                 found[name] = NamedValue(
-                    name, size + (previous.bytes if previous else 0), name in carried
+                    name,
+                    size + (previous.bytes if previous else 0),
+                    name in carried,
+                    max(count, previous.layers if previous else 1),
                 )
             length = eqn.params["length"] if prim == "scan" else 1
             for sub in jex.core.jaxprs_in_params(eqn.params):
@@ -75,12 +79,18 @@ def carry_note(name: str, policy: Policy) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One candidate plan, before it is priced."""
+    """One candidate plan, before it is priced.
+
+    `names` gives each searched name a policy, or a `LayerSplit` (a fraction of the
+    layers); `params` and `optimizer` are a memory for every managed leaf ("device",
+    "pinned_host"; the optimizer also "host": in host memory, updated there), or pairs
+    of `(leaf-path pattern, memory)` for a subset of the leaves (unmatched: "device").
+    """
 
     base: str  # "save" or "remat"
-    names: tuple[tuple[str, Policy], ...]
-    params: str
-    optimizer: str  # "device", "pinned_host", or "host" (in host memory, updated there)
+    names: tuple[tuple[str, Any], ...]
+    params: Any
+    optimizer: Any
 
     def strategy(self, fixed: Mapping[str, Policy]) -> Strategy:
         """The `ox.Strategy` of this choice; `fixed` are the policies of names not
@@ -89,23 +99,47 @@ class Choice:
         host = self.optimizer == "host"  # state in host memory, updated there
         return Strategy(
             self.label,
-            params=self.params,  # type: ignore[arg-type]
-            optimizer="pinned_host" if host else self.optimizer,  # type: ignore[arg-type]
+            params=_leafwise(self.params),
+            optimizer=_leafwise("pinned_host" if host else self.optimizer),
             activations=self.base,  # type: ignore[arg-type]
             names=names,
             update="host" if host else "annotated",
         )
 
     @property
+    def placement(self) -> tuple:
+        """Where parameters and optimizer state live: what XLA's additions depend on."""
+        return (self.params, self.optimizer)
+
+    @property
     def label(self) -> str:
         named = ",".join(f"{n}={p}" for n, p in self.names if p != self.base) or "-"
-        return f"{self.base}[{named}] params={self.params} optimizer={self.optimizer}"
+        return (
+            f"{self.base}[{named}] params={_describe(self.params)} "
+            f"optimizer={_describe(self.optimizer)}"
+        )
 
     def with_(self, **changes: Any) -> "Choice":
         return dataclasses.replace(self, **changes)
 
-    def with_policy(self, name: str, policy: Policy) -> "Choice":
+    def with_policy(self, name: str, policy: Any) -> "Choice":
         return self.with_(names=tuple((n, policy if n == name else p) for n, p in self.names))
+
+
+def _leafwise(mode: Any) -> Any:
+    """A leaf subset as a strategy's patterns: the listed leaves as given, the rest on the
+    device."""
+    return mode if isinstance(mode, str) else (*mode, ("*", "device"))
+
+
+def _describe(mode: Any) -> str:
+    """`pinned_host[3 leaves: layers.w_gate,layers.w_up,layers.w_down]`: a leaf subset
+    by the ends of its paths (the first three, and how many more)."""
+    if isinstance(mode, str):
+        return mode
+    names = [pattern.lstrip("*").split(".", 1)[-1] for pattern, _ in mode]
+    shown = ",".join(names[:3]) + (f",+{len(names) - 3} more" if len(names) > 3 else "")
+    return f"pinned_host[{len(names)} leaves: {shown}]"
 
 
 def choices(names: Sequence[str], params: Sequence[str], optimizer: Sequence[str]) -> list[Choice]:

@@ -54,10 +54,12 @@ def current_sharding(leaf: Any) -> Any:
     return getattr(leaf, "sharding", None)
 
 
-def effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy) -> Memory | None:
+def effective_memory(
+    placement: Placement | None, leaf: Any, strategy: Strategy, path: str
+) -> Memory | None:
+    """Where a leaf at `path` lives under `strategy` (None: nothing manages it)."""
     if placement is None:
         return None
-    mode = strategy.params if placement.role == "param" else strategy.optimizer
     if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
         return "pinned_host"  # updated on the host: all of it lives there, never moved
     if placement.role == "optimizer" and np.ndim(leaf) == 0:
@@ -65,7 +67,7 @@ def effective_memory(placement: Placement | None, leaf: Any, strategy: Strategy)
         # are bytes, every update reads them, and a donated host scalar that XLA aliases
         # to a device output aborts the process (see ../shared/reference).
         return "device"
-    return placement.memory if mode == "annotated" else cast(Memory, mode)
+    return cast(Memory, strategy.memory_of(placement.role, path, placement.memory))
 
 
 def parameter_suffixes(params: dict[tuple, int]) -> dict[tuple, int | None]:

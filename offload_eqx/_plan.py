@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ._activations import Policy
+from ._activations import LayerSplit, Policy, policies_of
 from ._leaf_plan import (
     LeafPlan,
     current_sharding,
@@ -30,10 +30,10 @@ from ._leaf_plan import (
 )
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
+from ._plan_print import format_plan
 from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
 from ._remat_policy import check_names, check_offloads, effective_policy, remat_policy
 from ._strategy import Strategy, resolve_strategy
-from ._table import format_bytes, format_table
 
 _CONFLICTING_POLICIES = (
     "Activation {name!r} is given two policies: {first!r} by `{first_path}` and "
@@ -97,7 +97,7 @@ class Plan:
                         path=path,
                         shape=tuple(np.shape(leaf)),
                         dtype=leaf.dtype,
-                        memory=effective_memory(placement, leaf, strategy),
+                        memory=effective_memory(placement, leaf, strategy, path),
                         declared=None if placement is None else placement.memory,
                         role=None if placement is None else placement.role,
                         spec=None if placement is None else placement.spec,
@@ -148,11 +148,13 @@ class Plan:
                     )
                 continue
             self.declared_activations[name] = (policy, module_path)
-        self.activations: dict[str, Policy] = {
+        self.activations: dict[str, Policy | LayerSplit] = {
             name: effective_policy(name, policy, strategy)
             for name, (policy, _) in self.declared_activations.items()
         }
-        self.policy: Callable[..., Any] = remat_policy(self.activations, strategy)
+        # Outside a scan (and in a scan's layers past every split), a split name follows
+        # its `rest` policy.
+        self.policy: Callable[..., Any] = self._policy_at(None)
 
     # -- the rules ---------------------------------------------------------------------
 
@@ -181,10 +183,33 @@ class Plan:
             return current
         return current.with_memory_kind(memory)
 
+    def _policy_at(self, layer: int | None) -> Callable[..., Any]:
+        """The remat policy of layer `layer` of a scan (None: outside any scan)."""
+        at: dict[str, Policy] = {
+            name: (p.at(layer) if layer is not None else p.rest) if isinstance(p, LayerSplit) else p
+            for name, p in self.activations.items()
+        }
+        return remat_policy(at, self.strategy)
+
+    def segments(self, length: int) -> list[tuple[int, int, Callable[..., Any]]]:
+        """A scan of `length` layers as consecutive `(start, stop, remat policy)`
+        segments: one, unless a name's policy is split by layers (`LayerSplit`), in which
+        case the scan is cut where a split changes policy."""
+        cuts = sorted(
+            {p.layers for p in self.activations.values() if isinstance(p, LayerSplit)}
+            & set(range(1, length))
+        )
+        bounds = [0, *cuts, length]
+        split = any(isinstance(p, LayerSplit) for p in self.activations.values())
+        return [
+            (start, stop, self._policy_at(start) if split else self.policy)
+            for start, stop in zip(bounds, bounds[1:])
+        ]
+
     @property
     def offloads_activations(self) -> bool:
-        """True when the remat policy offloads some named activation."""
-        return "offload" in self.activations.values()
+        """True when the remat policy offloads some named activation (in some layer)."""
+        return any("offload" in policies_of(p) for p in self.activations.values())
 
     @property
     def saves_everything(self) -> bool:
@@ -302,7 +327,7 @@ class Plan:
         strategy = self.strategy
         roles = {leaf.role for leaf in (*self.leaves, *created) if leaf is not None}
         asked = []
-        if strategy.params == "pinned_host":
+        if strategy.puts_on_host("param"):
             asked.append(
                 (
                     "parameters",
@@ -323,7 +348,7 @@ class Plan:
                     "`ox.activations(x='offload')`.",
                 )
             )
-        optimizer_found = strategy.optimizer == "pinned_host" and "optimizer" in roles
+        optimizer_found = strategy.puts_on_host("optimizer") and "optimizer" in roles
         if not asked or optimizer_found or any(found for _, found, _, _ in asked):
             return
         what, _, missing, fix = asked[0]
@@ -375,37 +400,6 @@ class Plan:
         return format_plan(self)
 
     __repr__ = __str__
-
-
-def format_plan(plan: Plan) -> str:
-    header = ("path", "shape", "dtype", "bytes", "memory", "declared")
-    rows = [
-        (
-            leaf.path,
-            "x".join(map(str, leaf.shape)) or "()",
-            str(leaf.dtype),
-            format_bytes(leaf.nbytes),
-            leaf.memory or "(as given)",
-            leaf.declared or "-",
-        )
-        for leaf in plan.leaves
-    ]
-    lines = [f"Plan (strategy {plan.strategy.name!r})", format_table(header, rows)]
-    totals: dict[str, int] = {}
-    for leaf in plan.leaves:
-        key = leaf.memory or "(as given)"
-        totals[key] = totals.get(key, 0) + leaf.nbytes
-    lines.append(
-        "totals: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(totals.items()))
-    )
-    if plan.activations:
-        rest = "saved" if plan.saves_everything else "recomputed"
-        lines.append(
-            "activations: "
-            + ", ".join(f"{n}={p}" for n, p in sorted(plan.activations.items()))
-            + f" (everything else in a region: {rest})"
-        )
-    return "\n".join(lines)
 
 
 def plan(

@@ -10,6 +10,7 @@ the next region saves its input whatever the policy. So the region that receives
 value renames it at its boundary, inside, where the policy applies to it.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +20,18 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ._activations import check_name
+from ._host_compute import on_host
 from ._memory_space import (
     captured_by_loop,
     fetch_kept,
     fetch_outside,
     is_host_typed,
     to_device,
+    to_host,
 )
 from ._plan import Plan
 from ._plan_walk import format_keys
+from ._remat_policy import OX_SCAN_SCOPE
 from ._trace_state import active_plan, argument_path, current, in_region, record_name
 
 _AXIS_MISMATCH = (
@@ -135,8 +139,11 @@ def _rename(tree: Any, names: list[str | None]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, renamed)
 
 
-def _region(plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: list) -> Callable:
-    """A function `(module, args, kwargs, in_names) -> output` that runs in a region."""
+def _region(
+    plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: list, policy=None
+) -> Callable:
+    """A function `(module, args, kwargs, in_names) -> output` that runs in a region,
+    with `policy` (by default the plan's, outside any scan)."""
 
     def body(module, args, kwargs, in_names):
         module = jax.tree_util.tree_map(to_device, module)
@@ -149,7 +156,9 @@ def _region(plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: lis
     if plan.saves_everything and not has_host_leaves:
         # Nothing to recompute and nothing to fetch: a plain call, as without offload_eqx.
         return body
-    checkpointed = eqx.filter_checkpoint(body, policy=plan.policy, prevent_cse=prevent_cse)
+    checkpointed = eqx.filter_checkpoint(
+        body, policy=policy or plan.policy, prevent_cse=prevent_cse
+    )
     return lambda module, args, kwargs, in_names: checkpointed(module, args, kwargs, in_names)
 
 
@@ -279,13 +288,29 @@ def scan(
     out_names: list = []
     carry_names = _carry_names(dynamic, static, carry, args, kwargs, plan)
 
-    def run(carry, dynamic, args, kwargs):
-        def step(carry, layer_dynamic):
-            layer = eqx.combine(layer_dynamic, static)
-            region = _region(plan, has_host, False, out_names)
-            return region(layer, (carry, *args), kwargs, carry_names), None
+    segments = plan.segments(next(iter(lengths)))
 
-        return jax.lax.scan(step, carry, dynamic, unroll=unroll)[0]
+    def run(carry, dynamic, args, kwargs):
+        # One scan per segment of layers with its own policy (one, unless a name's policy
+        # is split by layers); the stacked leaves are split, whose transpose concatenates.
+        cuts = [start for start, _, _ in segments[1:]]
+        parts = [dynamic]
+        if cuts:
+            split = jax.tree_util.tree_map(lambda x: _split_layers(x, tuple(cuts)), dynamic)
+            parts = [
+                jax.tree_util.tree_map(lambda pieces: pieces[i], split, is_leaf=_is_list)
+                for i in range(len(segments))
+            ]
+        for part, (_, _, policy) in zip(parts, segments):
+
+            def step(carry, layer_dynamic, policy=policy):
+                layer = eqx.combine(layer_dynamic, static)
+                region = _region(plan, has_host, False, out_names, policy)
+                return region(layer, (carry, *args), kwargs, carry_names), None
+
+            with jax.named_scope(OX_SCAN_SCOPE):
+                carry = jax.lax.scan(step, carry, part, unroll=unroll)[0]
+        return carry
 
     if plan.offloads_activations and _explicit_mesh(carry):
         # XLA cannot compile an offloaded residual that the partitioner reshards under
@@ -305,6 +330,37 @@ def scan(
         carry = run(carry, dynamic, args, kwargs)
     _note_outputs(carry, out_names)
     return carry
+
+
+def _split_layers(x: Any, cuts: tuple[int, ...]) -> list:
+    """A stacked leaf split at `cuts` along its layer axis. In host memory the split and
+    its transpose (a concatenation of the segments' gradients) are host computations of
+    their own: XLA would otherwise turn them into host compute with a warning each."""
+    if not is_host_typed(x):
+        return jnp.split(x, cuts)
+    return list(_host_split(x, cuts))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _host_split(x: Any, cuts: tuple[int, ...]) -> tuple:
+    return tuple(on_host(lambda x: jnp.split(x, cuts), x, flatten=False, name="layer split"))
+
+
+def _host_split_forward(x: Any, cuts: tuple[int, ...]) -> tuple:
+    return _host_split(x, cuts), None
+
+
+def _host_split_backward(cuts: tuple[int, ...], _: None, cotangents: tuple) -> tuple:
+    pieces = [to_host(c) for c in cotangents]
+    joined = on_host(lambda *p: jnp.concatenate(p), *pieces, flatten=False, name="layer join")
+    return (joined,)
+
+
+_host_split.defvjp(_host_split_forward, _host_split_backward)
+
+
+def _is_list(x: Any) -> bool:
+    return isinstance(x, list)
 
 
 def _explicit_mesh(tree: Any) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import jax.extend as jex
 from jax import checkpoint_policies
 
-from ._activations import Policy
+from ._activations import LayerSplit, Policy, policies_of
 from ._errors import ContractError, Violation
 from ._strategy import Strategy
 
@@ -46,6 +46,14 @@ _NOTHING_TO_OFFLOAD = (
 )
 
 
+_OX_SCAN_CARRY = (
+    "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
+    "{strategy!r}, but its value is the carry of `ox.scan` (each layer's input), and under "
+    "this strategy nothing is rematerialised, so the layers run without a region and "
+    "the scan keeps every carry for the backward pass whatever the policy: offloading it "
+    "frees nothing. Use a strategy that rematerialises (`activations='remat'` or "
+    "'offload'), or declare {name!r} 'save'."
+)
 _LOOP_CARRY = (
     "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
     "{strategy!r}, but its value is the carry of a scan (each layer's output is the next "
@@ -61,26 +69,32 @@ def _is_var(v: Any) -> bool:
     return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
 
 
-def carried_names(jaxpr: Any) -> set[str]:
-    """The names whose value is the carry of a scan: the value a body takes as its carry
-    (an `ox.scan` layer's input) or returns as its carry (a block's output under a plain
-    `jax.lax.scan`)."""
-    found: set[str] = set()
+# The scope `ox.scan` runs its loop in, so that a carry name can say which scan it is.
+OX_SCAN_SCOPE = "ox_scan"
 
-    def walk(j: Any, carry_in: set, carry_out: set) -> None:
+
+def carried_names(jaxpr: Any) -> dict[str, str]:
+    """The names whose value is the carry of a scan, with the scan (`"ox.scan"` or
+    `"jax.lax.scan"`): the value a body takes as its carry (an `ox.scan` layer's input)
+    or returns as its carry (a block's output under a plain `jax.lax.scan`)."""
+    found: dict[str, str] = {}
+
+    def walk(j: Any, carry_in: set, carry_out: set, scan: str = "") -> None:
         for eqn in j.eqns:
             value = eqn.invars[0] if eqn.invars else None
             if eqn.primitive.name == "name" and (
                 (_is_var(value) and value in carry_in) or eqn.outvars[0] in carry_out
             ):
-                found.add(eqn.params["name"])
+                found.setdefault(eqn.params["name"], scan)
             if eqn.primitive.name == "scan":
                 body = eqn.params["jaxpr"].jaxpr
                 start, n = eqn.params["num_consts"], eqn.params["num_carry"]
+                ours = OX_SCAN_SCOPE in str(eqn.source_info.name_stack)
                 walk(
                     body,
                     set(body.invars[start : start + n]),
                     {v for v in body.outvars[:n] if _is_var(v)},
+                    "ox.scan" if ours else "jax.lax.scan",
                 )
                 continue
             for sub in jex.core.jaxprs_in_params(eqn.params):
@@ -91,13 +105,14 @@ def carried_names(jaxpr: Any) -> set[str]:
                     sub,
                     {inner for outer, inner in ins if _is_var(outer) and outer in carry_in},
                     {inner for outer, inner in outs if _is_var(inner) and outer in carry_out},
+                    scan,
                 )
 
     walk(jaxpr, set(), set())
     return found
 
 
-def effective_policy(name: str, policy: Policy, strategy: Strategy) -> Policy:
+def effective_policy(name: str, policy: Policy, strategy: Strategy) -> "Policy | LayerSplit":
     return strategy.policy_of(name, policy)
 
 
@@ -133,12 +148,12 @@ def remat_policy(activations: Mapping[str, Policy], strategy: Strategy) -> Calla
 
 def check_names(
     declared: Mapping[str, tuple[Policy, str]],
-    effective: Mapping[str, Policy],
+    effective: Mapping[str, "Policy | LayerSplit"],
     saves_everything: bool,
     inside_regions: set[str],
     outside_regions: set[str],
     regions: int,
-    overrides: Mapping[str, Policy] = {},
+    overrides: Mapping[str, "Policy | LayerSplit"] = {},
     strategy_name: str = "",
 ) -> None:
     """After a trace: every declared name must be produced, inside a region unless the
@@ -158,7 +173,7 @@ def check_names(
         if name in inside_regions:
             continue
         if name in outside_regions:
-            if effective[name] == "save" and saves_everything:
+            if set(policies_of(effective[name])) == {"save"} and saves_everything:
                 continue
             raise ValueError(_OUTSIDE_REGIONS.format(name=name, policy=policy, module=module))
         raise ValueError(
@@ -182,16 +197,44 @@ def _scan_offloads(jaxpr: Any, offloaded: set[str], stacks: list[str]) -> None:
             _scan_offloads(sub, offloaded, stacks)
 
 
+def _name_layers(jaxpr: Any) -> dict[str, int]:
+    """For each name, the trip count of the scans around where the program produces it."""
+    found: dict[str, int] = {}
+
+    def walk(j: Any, count: int) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "name":
+                found[eqn.params["name"]] = max(found.get(eqn.params["name"], 1), count)
+            length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                walk(getattr(sub, "jaxpr", sub), count * length)
+
+    walk(jaxpr, 1)
+    return found
+
+
+def _offloads_somewhere(policy: "Policy | LayerSplit", layers: int) -> bool:
+    """Whether a policy offloads in some of a scan's `layers` (a split may offload only
+    past a scan's end)."""
+    if isinstance(policy, LayerSplit):
+        first = min(policy.layers, layers)
+        return (policy.first == "offload" and first > 0) or (
+            policy.rest == "offload" and first < layers
+        )
+    return policy == "offload"
+
+
 def check_offloads(
     declared: Mapping[str, tuple[Policy, str]],
-    effective: Mapping[str, Policy],
+    effective: Mapping[str, "Policy | LayerSplit"],
     strategy: Strategy,
     jaxpr: Any,
 ) -> None:
     """In a differentiated program every name whose effective policy is "offload" must
     be moved to host memory: otherwise the backward pass never needed it, and the
     declaration does nothing. The audit reaches the same verdict through this check."""
-    wanted = [n for n, p in effective.items() if p == "offload"]
+    layers = _name_layers(jaxpr)
+    wanted = [n for n, p in effective.items() if _offloads_somewhere(p, layers.get(n, 1))]
     if not wanted:
         return
     offloaded: set[str] = set()
@@ -203,8 +246,9 @@ def check_offloads(
     if not missing:
         return
     carried = carried_names(jaxpr)
+    templates = {"ox.scan": _OX_SCAN_CARRY, "jax.lax.scan": _LOOP_CARRY}
     messages = [
-        (_LOOP_CARRY if n in carried else _NOTHING_TO_OFFLOAD).format(
+        templates.get(carried.get(n, ""), _NOTHING_TO_OFFLOAD).format(
             name=n, policy=declared[n][0], module=declared[n][1], strategy=strategy.name
         )
         for n in missing

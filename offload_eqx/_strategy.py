@@ -1,14 +1,35 @@
 """Strategies: one argument that switches a whole model's placements and activation policy."""
 
 import dataclasses
+import fnmatch
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from ._activations import Policy, check_policy
+from ._activations import LayerSplit, Policy, check_layer_split
 
 LeafMode = Literal["annotated", "device", "pinned_host"]
 UpdateMode = Literal["annotated", "device", "host"]
 ActivationMode = Literal["annotated", "save", "remat", "offload"]
+
+
+def _leaf_modes(name: str, attr: str, value: Any) -> Any:
+    """A leaf mode as given, or `{pattern: memory}` (or pairs) as pairs in order."""
+    allowed = get_args(LeafMode)
+    if isinstance(value, str) and value in allowed:
+        return value
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((str(pattern), memory) for pattern, memory in pairs)
+    except (TypeError, ValueError):
+        pairs = None
+    if not pairs or any(memory not in allowed for _, memory in pairs):
+        raise ValueError(
+            f"Strategy {name!r} has {attr}={value!r}; expected one of "
+            + ", ".join(repr(a) for a in allowed)
+            + ", or a mapping of leaf-path patterns to them, e.g. "
+            f"`{attr}={{'*.mlp.*': 'pinned_host'}}`."
+        )
+    return pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,9 +37,14 @@ class Strategy:
     """How the plan overrides the model's own annotations.
 
     - `params`: where managed model leaves (fields declared with `ox.field` or
-        `ox.annotate`) live: `"annotated"` (as declared), `"device"`, `"pinned_host"`.
+        `ox.annotate`) live: `"annotated"` (as declared), `"device"`, `"pinned_host"`;
+        or leaf by leaf, a mapping of glob patterns over leaf paths to memories, the
+        first match deciding and unmatched leaves as declared:
+        `{"*.mlp.*": "pinned_host"}`.
     - `optimizer`: where the (non-scalar) state of `ox.offload_optimizer` lives, with the
-        same values.
+        same values; patterns match a state leaf's own path (Adam's
+        `opt_state.inner[1][0].mu.layers.mlp.w_up`, so `"*.mlp.*"` selects the state of
+        the parameters it selects).
     - `activations`: `"annotated"` (each declared name as declared, every other value in
         a region recomputed), `"save"` (no rematerialisation: everything is kept on the
         device), `"remat"` (every value in a region is recomputed), `"offload"` (every
@@ -27,9 +53,11 @@ class Strategy:
         `{"q": "offload", "k": "save"}`. The values that are not named follow
         `activations` (kept under `"save"`, recomputed otherwise), so
         `Strategy("s", activations="save", names={"q": "offload"})` keeps everything but
-        `q` on the device. Every name must be declared by some module (`ox.activations`),
-        or the step raises naming it. Stored as sorted `(name, policy)` pairs: a strategy
-        stays hashable.
+        `q` on the device. A policy can differ between layers: `("save", 10, "offload")`
+        saves `q` in the first 10 layers of every `ox.scan` and offloads it in the rest
+        (an `ox.LayerSplit`). Every name must be declared by some module
+        (`ox.activations`), or the step raises naming it. Stored as sorted `(name,
+        policy)` pairs: a strategy stays hashable.
     - `update`: where the update of `ox.offload_optimizer`'s state runs: `"annotated"`
         (as its `update_on=` says), `"device"`, or `"host"` (the state stays in host
         memory, scalars too, and only gradients and updates cross the link). `"host"`
@@ -37,16 +65,16 @@ class Strategy:
     """
 
     name: str
-    params: LeafMode = "annotated"
-    optimizer: LeafMode = "annotated"
+    params: Any = "annotated"  # LeafMode, or {pattern: memory}; stored as pairs in order
+    optimizer: Any = "annotated"
     activations: ActivationMode = "annotated"
     names: Any = ()  # Mapping[str, Policy] or (name, policy) pairs; stored as sorted pairs
     update: UpdateMode = "annotated"
 
     def __post_init__(self):
+        for attr in ("params", "optimizer"):
+            object.__setattr__(self, attr, _leaf_modes(self.name, attr, getattr(self, attr)))
         for attr, allowed in (
-            ("params", get_args(LeafMode)),
-            ("optimizer", get_args(LeafMode)),
             ("activations", get_args(ActivationMode)),
             ("update", get_args(UpdateMode)),
         ):
@@ -67,8 +95,10 @@ class Strategy:
                 f"Strategy {self.name!r} has names={self.names!r}; expected a mapping of "
                 "activation names to policies, e.g. `names={'q': 'offload', 'k': 'save'}`."
             ) from None
-        for name, policy in pairs:
-            check_policy(name, policy, where=f"Strategy {self.name!r}")
+        pairs = tuple(
+            (name, check_layer_split(name, policy, where=f"Strategy {self.name!r}"))
+            for name, policy in pairs
+        )
         object.__setattr__(self, "names", pairs)
         if self.update == "host" and self.optimizer == "device":
             raise ValueError(
@@ -82,16 +112,47 @@ class Strategy:
         return declared if self.update == "annotated" else self.update
 
     @property
-    def name_policies(self) -> dict[str, Policy]:
+    def name_policies(self) -> dict[str, "Policy | LayerSplit"]:
         """The per-name overrides as a dict."""
         return dict(self.names)
 
-    def policy_of(self, name: str, declared: Policy) -> Policy:
+    def policy_of(self, name: str, declared: Policy) -> "Policy | LayerSplit":
         """The policy this strategy gives activation `name`, declared `declared`."""
         for other, policy in self.names:
             if other == name:
                 return policy
         return declared if self.activations == "annotated" else self.activations  # type: ignore[return-value]
+
+    def memory_of(self, role: str, path: str, declared: str) -> str:
+        """Where this strategy puts a managed leaf of `role` ("param" or "optimizer") at
+        `path`, declared in `declared`."""
+        mode = self.params if role == "param" else self.optimizer
+        if isinstance(mode, str):
+            return declared if mode == "annotated" else mode
+        for pattern, memory in mode:
+            if fnmatch.fnmatchcase(path, pattern):
+                return declared if memory == "annotated" else memory
+        return declared
+
+    def puts_on_host(self, role: str) -> bool:
+        """Whether this strategy moves some managed leaves of `role` to host memory."""
+        mode = self.params if role == "param" else self.optimizer
+        if isinstance(mode, str):
+            return mode == "pinned_host"
+        return any(memory == "pinned_host" for _, memory in mode)
+
+    def describe(self) -> str:
+        """`hybrid`, or the strategy's fields where it is a composed one, one line."""
+        parts = [f"activations={self.activations}"]
+        for attr in ("params", "optimizer"):
+            mode = getattr(self, attr)
+            shown = mode if isinstance(mode, str) else ", ".join(f"{p}: {m}" for p, m in mode)
+            parts.append(f"{attr}={shown}")
+        if self.names:
+            parts.append("names=" + ", ".join(f"{n}={p}" for n, p in self.names))
+        if self.update != "annotated":
+            parts.append(f"update={self.update}")
+        return f"{self.name} (" + "; ".join(parts) + ")"
 
 
 STRATEGIES: dict[str, Strategy] = {

@@ -1,0 +1,143 @@
+"""Placement per layer and per leaf (issue 19, item 1): a name's policy in the first `k`
+layers of a scan and another in the rest, and parameters or optimizer state placed leaf
+by leaf, give the gradients and updates of the unsplit program bit for bit on the CPU."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from helpers import loss_fn, make_optimizer, make_step, scanned_model
+
+import offload_eqx as ox
+
+X = jax.random.normal(jax.random.key(1), (8, 16))
+
+
+def _run(strategy, steps=2):
+    """Gradients of the first step, and the parameters and optimizer state after
+    `steps` full training steps, as numpy arrays."""
+    opt = make_optimizer()
+    model = ox.place(scanned_model(jax.random.key(0), depth=6), strategy)
+    opt_state = ox.place(opt.init(model), strategy)
+    grads = ox.filter_jit(eqx.filter_grad(loss_fn), strategy=strategy)(model, X)
+    step = make_step(opt, strategy, donate="all")
+    for _ in range(steps):
+        model, opt_state, _ = step(model, opt_state, X)
+    return [np.asarray(x) for x in jax.tree.leaves((grads, model, opt_state))]
+
+
+def _with(preset: str, **changes) -> ox.Strategy:
+    base = ox.STRATEGIES[preset]
+    fields = dict(
+        params=base.params,
+        optimizer=base.optimizer,
+        activations=base.activations,
+        names=dict(base.names),
+    )
+    return ox.Strategy(f"{preset}+", **(fields | changes))
+
+
+@pytest.mark.parametrize("preset", list(ox.STRATEGIES))
+@pytest.mark.parametrize(
+    "split", [("save", 2, "offload"), ("offload", 4, "remat"), ("remat", 1, "save")]
+)
+def test_a_name_split_by_layers_equals_the_unsplit_program_bitwise(preset, split):
+    """The scan runs as segments, each with its own remat policy: the arithmetic is the
+    same, so the results are the same bits."""
+    first, _, rest = split
+    try:
+        _run(_with(preset, names={"x": first}), steps=1)
+        theirs = _run(_with(preset, names={"x": rest}))
+    except ox.ContractError:  # offloading the carry where nothing is rematerialised
+        with pytest.raises(ox.ContractError, match="is the carry of `ox.scan`"):
+            _run(_with(preset, names={"x": split}))
+        return
+    ours = _run(_with(preset, names={"x": split}))
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_split_offloads_only_in_its_layers():
+    step = ox.filter_jit(
+        eqx.filter_value_and_grad(loss_fn),
+        strategy=_with("remat", names={"x": ("save", 2, "offload")}),
+    )
+    model = ox.place(scanned_model(jax.random.key(0), depth=6), "remat")
+    report = ox.audit(step, model, X)
+    (offloaded,) = report.select("device-to-host", "x", kind="activation")
+    assert offloaded.count == 4  # layers 2 to 5 of 6
+    unsplit = ox.filter_jit(
+        eqx.filter_value_and_grad(loss_fn), strategy=_with("remat", names={"x": "offload"})
+    )
+    (all_layers,) = ox.audit(unsplit, model, X).select("device-to-host", "x", kind="activation")
+    assert all_layers.count == 6
+
+
+@pytest.mark.parametrize("preset", ["annotated", "hybrid", "remat"])
+def test_leaves_placed_one_by_one_equal_every_leaf_placed_alike(preset):
+    leafwise = _with(
+        preset,
+        params={"*.w1": "pinned_host", "*": "device"},
+        optimizer={"*.w2": "pinned_host", "*": "device"},
+    )
+    model = scanned_model(jax.random.key(0))
+    plan = ox.plan((model, make_optimizer().init(eqx.filter(model, eqx.is_array))), leafwise)
+    memories = {leaf.path: leaf.memory for leaf in plan.leaves}
+    assert memories["tree[0].layers.w1"] == "pinned_host"
+    assert memories["tree[0].layers.w2"] == "device"
+    assert memories["tree[1].inner[1][0].mu.layers.w1"] == "device"
+    assert memories["tree[1].inner[1][0].mu.layers.w2"] == "pinned_host"
+    for a, b in zip(_run(leafwise), _run(preset), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_strategy_and_its_plan_print_readably():
+    strategy = ox.Strategy(
+        "mine",
+        params={"*.w1": "pinned_host"},
+        activations="remat",
+        names={"x": ("save", 2, "offload")},
+    )
+    assert strategy.describe() == (
+        "mine (activations=remat; params=*.w1: pinned_host; optimizer=annotated; "
+        "names=x=save[:2]+offload)"
+    )
+    assert dict(strategy.names)["x"] == ox.LayerSplit("save", 2, "offload")
+    printed = str(ox.plan(scanned_model(jax.random.key(0)), strategy))
+    assert "strategy: mine (activations=remat; params=*.w1: pinned_host" in printed
+    assert "activations: x=save[:2]+offload" in printed
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (
+            {"x": ("save", -1, "offload")},
+            r"a policy split by layers is `\(policy in the first layers",
+        ),
+        ({"x": ("save", 2)}, r"a policy split by layers"),
+        ({"x": ("keep", 2, "offload")}, r"the policy 'keep'; expected one of 'save', 'offload'"),
+    ],
+)
+def test_a_bad_split_is_refused_when_the_strategy_is_made(names, message):
+    with pytest.raises(ValueError, match=message):
+        ox.Strategy("bad", names=names)
+
+
+def test_a_bad_leaf_memory_is_refused_when_the_strategy_is_made():
+    with pytest.raises(
+        ValueError, match=r"params=\{'\*.w1': 'gpu'\}.*or a mapping of leaf-path patterns"
+    ):
+        ox.Strategy("bad", params={"*.w1": "gpu"})
+
+
+def test_a_split_beyond_the_layers_is_the_first_policy_everywhere():
+    """`k` at or past the scan's length: one segment, the first policy."""
+    plan = ox.plan(
+        scanned_model(jax.random.key(0), depth=3),
+        _with("remat", names={"x": ("save", 8, "offload")}),
+    )
+    assert len(plan.segments(3)) == 1
+    ours = _run(_with("remat", names={"x": ("save", 8, "offload")}))
+    for a, b in zip(ours, _run(_with("remat", names={"x": "save"})), strict=True):
+        np.testing.assert_array_equal(a, b)
