@@ -61,6 +61,11 @@ _UNTRIED = (
     "`max_compiles`."
 )
 _LEAST = " The least device memory measured was {least} ({host} on the host), by {plan}."
+_CRASHED = (
+    " {count} more plans were not compiled because plans of the same placement crashed "
+    "the compiler (listed below): a compiler limit, not a memory one; another target or "
+    "placement may avoid it."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +245,9 @@ def _explain(search: Search, space: _Space) -> ValueError:
         for row in search.rows.values()
         if row.status.startswith(("does not fit", "compile failed"))
     ]
+    skipped = sum("crashed the compiler" in row.status for row in search.rows.values())
+    if skipped:
+        message += _CRASHED.format(count=skipped)
     return ValueError(message + "".join(failed))
 
 

@@ -5,7 +5,8 @@ teaches is kept per base *and* placement (where parameters and optimizer state l
 plan that keeps on the device at least what a compiled plan of the same base and
 placement kept (the same names saved, in at least as many layers), where that one did not
 fit, does not fit either and is not compiled. A plan is also not compiled when what it
-needs at least, its device arguments and the named values it saves, is over the budget.
+needs at least, its device arguments and the named values it saves, is over the budget;
+and when `CRASHES_PER_PLACEMENT` plans of its placement crashed the compiler.
 """
 
 import dataclasses
@@ -29,6 +30,10 @@ from ._targets import Target
 # on the planner tests' decoder). A plan of another placement is pruned by a compiled one
 # that did not fit only if it would not fit with 8 times the moved bytes freed.
 FREED_PER_BYTE = 8
+# After this many compiler crashes among plans of one placement, the rest of that
+# placement is not compiled: XLA:TPU crashes on every plan that keeps stacked parameters
+# in host memory, whatever it saves (`Search.why_not_compiled`).
+CRASHES_PER_PLACEMENT = 2
 
 
 def key_of(seconds: float, load: Load) -> tuple:
@@ -74,6 +79,7 @@ class Search:
     # device bytes they needed, by (base, placement): see `dominated`.
     over: dict = dataclasses.field(default_factory=dict)
     rows: dict = dataclasses.field(default_factory=dict)  # Choice -> Candidate
+    crashed: dict = dataclasses.field(default_factory=dict)  # placement -> [first lines]
     best: tuple | None = None  # (key, choice, estimate) of the best plan that fits
     least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
 
@@ -191,6 +197,12 @@ class Search:
         host = self.host_bound(choice)
         if host > self.host_limit:
             return f"not compiled: needs at least {format_bytes(host)} of host memory"
+        crashes = self.crashed.get(choice.placement, [])
+        if len(crashes) >= CRASHES_PER_PLACEMENT:
+            return (
+                f"not compiled: {len(crashes)} plans of its placement crashed the compiler "
+                f"({crashes[0]})"
+            )
         if self.compiles >= self.max_compiles:
             return f"not compiled: the {self.max_compiles} compiles allowed were used"
         return None
@@ -227,6 +239,7 @@ class Search:
                 # layouts) is that plan's answer, shown in its row, not the search's end.
                 text = str(error).strip()
                 first = text.splitlines()[0][:160] if text else ""
+                self.crashed.setdefault(choice.placement, []).append(first[:80])
                 return self._row(
                     choice, row(status=f"compile failed: {type(error).__name__}: {first}")
                 )

@@ -228,3 +228,8 @@ def test_compiler_crashes_are_listed_and_not_taken_for_no_fit(problem, between, 
     message = str(error.value)
     assert "compile failed: RuntimeError: INTERNAL: Mosaic failed" in message
     assert "lower the batch" not in message
+    # Two crashes of one placement rule out the rest of it: the compiles go elsewhere.
+    crashes = message.count("compile failed: RuntimeError")
+    placements = {"params=pinned_host optimizer=pinned_host", "params=pinned_host optimizer=host"}
+    assert 2 <= crashes <= 2 * len(placements)
+    assert "were not compiled because plans of the same placement crashed" in message
