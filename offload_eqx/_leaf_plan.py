@@ -55,19 +55,26 @@ def current_sharding(leaf: Any) -> Any:
 
 
 def effective_memory(
-    placement: Placement | None, leaf: Any, strategy: Strategy, path: str
+    placement: Placement | None,
+    ndim: int,
+    strategy: Strategy,
+    path: str,
+    mirrors: str | None = None,
 ) -> Memory | None:
-    """Where a leaf at `path` lives under `strategy` (None: nothing manages it)."""
+    """Where a leaf of `ndim` dimensions at `path` lives under `strategy` (None: nothing
+    manages it); `mirrors` is the path of the parameter an optimizer-state leaf mirrors,
+    which a strategy's leaf patterns match too (`Strategy.memory_of`)."""
     if placement is None:
         return None
     if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
         return "pinned_host"  # updated on the host: all of it lives there, never moved
-    if placement.role == "optimizer" and np.ndim(leaf) == 0:
+    if placement.role == "optimizer" and ndim == 0:
         # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
         # are bytes, every update reads them, and a donated host scalar that XLA aliases
         # to a device output aborts the process (see ../shared/reference).
         return "device"
-    return cast(Memory, strategy.memory_of(placement.role, path, placement.memory))
+    memory = strategy.memory_of(placement.role, path, placement.memory, mirrors)
+    return cast(Memory, memory)
 
 
 def parameter_suffixes(params: dict[tuple, int]) -> dict[tuple, int | None]:

@@ -97,7 +97,7 @@ class Plan:
                         path=path,
                         shape=tuple(np.shape(leaf)),
                         dtype=leaf.dtype,
-                        memory=effective_memory(placement, leaf, strategy, path),
+                        memory=effective_memory(placement, np.ndim(leaf), strategy, path),
                         declared=None if placement is None else placement.memory,
                         role=None if placement is None else placement.role,
                         spec=None if placement is None else placement.spec,
@@ -122,6 +122,14 @@ class Plan:
                 mirror = mirrored(entry["keys"], entry["shape"], params, entries)
                 if mirror is not None:
                     entry["mirrors"] = entries[mirror]["path"]
+                    if not isinstance(strategy.optimizer, str):  # leaf patterns: see either
+                        entry["memory"] = effective_memory(
+                            found.placements.get(entry["path"]),
+                            len(entry["shape"]),
+                            strategy,
+                            entry["path"],
+                            entry["mirrors"],
+                        )
                     like = shardings[mirror]
                     if isinstance(like, NamedSharding) and self.mesh is not None:
                         entry["spec"] = like.spec

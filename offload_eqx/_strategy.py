@@ -42,9 +42,10 @@ class Strategy:
         first match deciding and unmatched leaves as declared:
         `{"*.mlp.*": "pinned_host"}`.
     - `optimizer`: where the (non-scalar) state of `ox.offload_optimizer` lives, with the
-        same values; patterns match a state leaf's own path (Adam's
-        `opt_state.inner[1][0].mu.layers.mlp.w_up`, so `"*.mlp.*"` selects the state of
-        the parameters it selects).
+        same values; a pattern selects a state leaf when it matches the leaf's own path
+        (Adam's `opt_state.inner[1][0].mu.layers.mlp.w_up`) or the path of the
+        parameter the leaf mirrors (`model.layers.mlp.w_up`), so `"*.mlp.*"` selects the
+        state of the parameters it selects, streamed or not.
     - `activations`: `"annotated"` (each declared name as declared, every other value in
         a region recomputed), `"save"` (no rematerialisation: everything is kept on the
         device), `"remat"` (every value in a region is recomputed), `"offload"` (every
@@ -123,14 +124,18 @@ class Strategy:
                 return policy
         return declared if self.activations == "annotated" else self.activations  # type: ignore[return-value]
 
-    def memory_of(self, role: str, path: str, declared: str) -> str:
+    def memory_of(self, role: str, path: str, declared: str, mirrors: str | None = None) -> str:
         """Where this strategy puts a managed leaf of `role` ("param" or "optimizer") at
-        `path`, declared in `declared`."""
+        `path`, declared in `declared`. An optimizer-state leaf that mirrors the parameter
+        at `mirrors` is matched by a pattern matching either path (its own path ends with
+        the parameter's in `optax`'s state, `inner[0].mu.layers.w1`, but not in a
+        streamed one, `inner.leaves.layers.w1[0].mu`)."""
         mode = self.params if role == "param" else self.optimizer
         if isinstance(mode, str):
             return declared if mode == "annotated" else mode
+        paths = (path,) if mirrors is None else (path, mirrors)
         for pattern, memory in mode:
-            if fnmatch.fnmatchcase(path, pattern):
+            if any(fnmatch.fnmatchcase(p, pattern) for p in paths):
                 return declared if memory == "annotated" else memory
         return declared
 

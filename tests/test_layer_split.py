@@ -5,6 +5,7 @@ by leaf, give the gradients and updates of the unsplit program bit for bit on th
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import loss_fn, make_optimizer, make_step, scanned_model
 
@@ -88,6 +89,37 @@ def test_leaves_placed_one_by_one_equal_every_leaf_placed_alike(preset):
     assert memories["tree[1].inner[1][0].mu.layers.w1"] == "device"
     assert memories["tree[1].inner[1][0].mu.layers.w2"] == "pinned_host"
     for a, b in zip(_run(leafwise), _run(preset), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_leaf_patterns_place_a_streamed_state_by_the_parameter_it_mirrors():
+    """A streamed state's paths do not end with its parameter's
+    (`inner.leaves.layers.w2[0].mu`): the pattern `*.w2` still selects it, through the
+    parameter it mirrors, and the streamed update gives the same bits."""
+    opt = ox.offload_optimizer(optax.adam(1e-2), stream="layer", layers=6)
+    leafwise = _with("remat", optimizer={"*.w2": "pinned_host", "*": "device"})
+
+    def run(strategy):
+        model = ox.place(scanned_model(jax.random.key(0), depth=6), strategy)
+        opt_state = ox.place(opt.init(model), strategy)
+
+        @ox.filter_jit(strategy=strategy, donate="all")
+        def step(model, opt_state, x):
+            grads = eqx.filter_grad(loss_fn)(model, x)
+            return ox.update_and_apply(opt, grads, opt_state, model)
+
+        plan = step.plan(model, opt_state, X)
+        for _ in range(2):
+            model, opt_state = step(model, opt_state, X)
+        return plan, [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
+
+    plan, ours = run(leafwise)
+    memories = {leaf.path: leaf.memory for leaf in plan.leaves if leaf.role == "optimizer"}
+    on_host = sorted(path for path, memory in memories.items() if memory == "pinned_host")
+    assert on_host and all(".w2[" in path for path in on_host), memories
+    assert any(".w1[" in path for path, memory in memories.items() if memory == "device")
+    _, theirs = run(_with("remat"))
+    for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
