@@ -18,7 +18,11 @@ sharding there silently becomes device memory).
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -200,8 +204,44 @@ def program_of_function(
 # -- compiling for a target ------------------------------------------------------------
 
 
-def compile_for(program: Program, target: Target) -> Any:
-    """Compile `program` with `target`'s compiler (no device needed for GPU/TPU)."""
+# A line of XLA's C++ log ("W1124 07:34:39.803348   20326 file.cc:3231] ...").
+_XLA_LOG_LINE = re.compile(r"^[IWEF]\d{4} ")
+
+
+@contextlib.contextmanager
+def compiler_log(lines: list[str]) -> Iterator[None]:
+    """XLA's log lines written while the block runs go into `lines`, not the terminal.
+
+    A program over the target's memory makes XLA log "Can't reduce memory use below ..."
+    (its rematerialisation gave up) and, on GPU, "The byte size of input/output arguments
+    ... exceeds the base limit": expected for such a program, which the report already
+    says does not fit (`MemoryReport.compiler_log` keeps them). Anything else written to
+    the process's stderr in the meantime is passed on after the block.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+            others = [line for line in text.splitlines() if not _XLA_LOG_LINE.match(line)]
+            lines.extend(line for line in text.splitlines() if _XLA_LOG_LINE.match(line))
+            if others:
+                sys.stderr.write("\n".join(others) + "\n")
+
+
+def compile_for(program: Program, target: Target, log: list[str] | None = None) -> Any:
+    """Compile `program` with `target`'s compiler (no device needed for GPU/TPU); XLA's
+    log lines go into `log` when one is given (`compiler_log`)."""
+    if log is not None:
+        with compiler_log(log):
+            return compile_for(program, target)
     on_mesh = program.mesh is not None
     if program.mesh is not None:
         mesh = mesh_on_target(target, program.mesh)

@@ -76,6 +76,9 @@ class MemoryReport:
     host: Mapping[str, int]
     mesh: Mapping[str, int] | None = None
     capacity: int | None = None
+    # XLA's log lines while compiling (`compiler_log`), kept off the terminal: for a
+    # program over the capacity, "Can't reduce memory use below ..." and the like.
+    compiler_log: tuple[str, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -199,7 +202,8 @@ def memory_report(
         program = program_of_step(fn, args, kwargs)
     else:
         program = program_of_function(fn, args, kwargs, in_memory, out_memory, donate_argnums)
-    device, host = memory_fields(compile_for(program, resolved).memory_analysis())
+    log: list[str] = []
+    device, host = memory_fields(compile_for(program, resolved, log).memory_analysis())
     return MemoryReport(
         name=name or _name_of(fn),
         target=resolved.name,
@@ -207,6 +211,7 @@ def memory_report(
         host=host,
         mesh=None if program.mesh is None else dict(program.mesh.shape),
         capacity=resolved.capacity,
+        compiler_log=tuple(log),
     )
 
 
