@@ -246,6 +246,17 @@ def test_a_model_larger_than_the_device_does_not_fit():
 
 
 @pytest.mark.deviceless
+def test_xla_log_lines_of_a_program_over_capacity_stay_off_the_terminal(capfd):
+    """XLA's rematerialisation gives up on a program over the capacity and logs it: the
+    report keeps those lines (`compiler_log`), the terminal shows none of them."""
+    w = jax.ShapeDtypeStruct((24, 2**30), jnp.float32)
+    r = memory_report(lambda w: jnp.sin(w) @ jnp.cos(w).T, w, target="h100")
+    assert r.fits is False
+    assert any("Can't reduce memory use" in line for line in r.compiler_log), r.compiler_log
+    assert "Can't reduce memory use" not in capfd.readouterr().err
+
+
+@pytest.mark.deviceless
 def test_importing_with_the_accelerator_extras_is_quiet():
     """Issue 10 item 11: with the `cuda` and `tpu` extras installed, importing jax and
     offload_eqx, creating this machine's devices and compiling for an h100 print nothing on
