@@ -56,7 +56,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _decoder import CONFIGS, Config, abstract_state, make_step, optimizer_for  # noqa: E402
-from _report import format_table, pyplot, target_available  # noqa: E402
+from _planner_fraction import fraction  # noqa: E402
+from _planner_headline import headline, headline_table  # noqa: E402
+from _planner_report import (  # noqa: E402
+    LINKS,
+    comparison_table,
+    plot,
+    preset_table,
+    search_table,
+)
+from _report import target_available  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -72,7 +81,15 @@ PRESETS = {
     "everything_offloaded": ox.Strategy(
         "everything_offloaded", "pinned_host", "pinned_host", "remat", names=QKV
     ),
+    # ZeRO-Offload's placement: `everything_offloaded` with the update on the host, where
+    # the parameters and state stay (only gradients and new bf16 parameters move).
+    "host_update": ox.Strategy(
+        "host_update", "pinned_host", "pinned_host", "remat", names=QKV, update="host"
+    ),
 }
+# The optimizer of each preset (`_decoder.optimizer_for`'s strategy names): the update
+# streamed by layer ("hybrid"), unless named here.
+KINDS = {"host_update": "hybrid_host_update"}
 # The TPU blog (Google and Intel, host offloading with JAX on TPU v5p-8): what it measured.
 BLOG = {
     ("13B", "tpu-v5p"): "Llama2-13B, MaxText: qkv_proj_offloaded ~5% faster than full remat",
@@ -83,14 +100,12 @@ SIZES: dict[str, tuple[list[str], list[str], int]] = {
     "default": (["1B"], ["h100", "tpu-v5p"], 6),
     "full": (["1B", "8B", "13B"], ["h100", "tpu-v5p"], 12),
 }
-# Host-link bandwidths (GB/s, both directions) the presets are re-priced at.
-LINKS = (4, 8, 16, 32, 64)
 
 
 def _policies(strategy: ox.Strategy) -> tuple:
     """What decides a plan: placements, base, and the policy of each searched name."""
     names = tuple(strategy.policy_of(n, "remat") for n in NAMES)
-    return strategy.params, strategy.optimizer, strategy.activations, names
+    return strategy.params, strategy.optimizer, strategy.update, strategy.activations, names
 
 
 class Progress:
@@ -128,7 +143,14 @@ def _compile(step, args: tuple, target: str) -> dict:
     except Exception as error:  # a compiler refusal or crash: recorded, the run goes on
         text = str(error)
         out_of_memory = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        why = "out of memory (compiler)" if out_of_memory else "compiler crashed"
+        refused = isinstance(error, ValueError) and "does not support" in text
+        why = (
+            "out of memory (compiler)"
+            if out_of_memory
+            else "refused by offload_eqx"
+            if refused
+            else "compiler crashed"
+        )
         return {"device": None, "host": None, "error": f"{why}: {text.splitlines()[0][:200]}"}
     return {"device": report.total, "host": report.host_total, "error": None}
 
@@ -200,10 +222,14 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
     """`ox.fit` for one (config, target), the presets beside it, every candidate's point."""
     target = ox.TARGETS[target_name]
     assert target.speeds is not None
-    model, opt_state = abstract_state(config, "hybrid")  # the layer-streaming optimizer's
-    optimizer = optimizer_for("hybrid", config)
+    # The update streamed by layer (`_decoder`'s "hybrid" optimizer), the fastest device
+    # update whatever the state's memory; `host_update` has its own (`KINDS`).
     tokens = jax.ShapeDtypeStruct((BATCH, config.seq + 1), jnp.int32)
-    args = (model, opt_state, tokens)
+    setups = {
+        kind: (optimizer_for(kind, config), (*abstract_state(config, kind), tokens))
+        for kind in {"hybrid", *KINDS.values()}
+    }
+    optimizer, args = setups["hybrid"]
     progress = Progress(f"{config.name} {target_name}:")
     print(f"  {config.name} on {target_name}: ox.fit (max_compiles={max_compiles})", flush=True)
     try:
@@ -214,9 +240,10 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
             max_compiles=max_compiles,
             progress=progress,
         )
-        error = None
+        error = error_full = None
     except Exception as raised:  # no plan fits (ValueError), or a compiler crashed
         result, error = None, f"{type(raised).__name__}: {str(raised).splitlines()[0][:300]}"
+        error_full = f"{type(raised).__name__}: {raised}"
         print(f"    ox.fit raised {error}", flush=True)
     search = {
         "seconds": result.seconds_searching if result else time.perf_counter() - progress.start,
@@ -225,6 +252,7 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
         "trace_s": progress.trace_s,
         "compile_s": progress.compile_s,
         "error": error,
+        "error_full": error_full,
     }
     print(f"    searched in {search['seconds']:.1f} s", flush=True)
     candidates = list(result.candidates) if result else []
@@ -232,24 +260,27 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
 
     rows = []
     for name, preset in PRESETS.items():
-        step = make_step(optimizer, preset)
-        estimate = ox.estimate(step, *args, target=target_name, compile=False)
+        preset_optimizer, preset_args = setups[KINDS.get(name, "hybrid")]
+        step = make_step(preset_optimizer, preset)
+        estimate = ox.estimate(step, *preset_args, target=target_name, compile=False)
         known = compiled.get(_policies(preset))
         if known is not None:
             memory = {"device": known.device_bytes, "host": known.host_bytes, "from": "ox.fit"}
         else:
-            memory = {**_compile(step, args, target_name), "from": "compiled here"}
+            memory = {**_compile(step, preset_args, target_name), "from": "compiled here"}
             print(f"    compiled {name}", flush=True)
         rows.append(_row(name, estimate, memory, config, target))
     if result is not None:
         chosen = result.estimate
         memory = {"device": chosen.device_bytes, "host": chosen.host_bytes, "from": "ox.fit"}
         rows.append(_row("ox.fit", chosen, memory, config, target))
+        fit_step = make_step(optimizer, result.strategy)
+        rows[-1]["fraction"] = fraction(result.strategy, fit_step, args, config.layers)
 
     by_name = {r["plan"]: r for r in rows}
     remat, qkv = by_name["full_remat"], by_name["qkv_offloaded"]
-    # The same full-remat step with the whole-state update (`ox.offload_optimizer` without
-    # a stream), priced only: how much of the step the streamed update's price is.
+    # The same full-remat step with the whole-state update (`ox.offload_optimizer`
+    # without a stream), priced only: how much of the step the streamed update's price is.
     whole_model, whole_state = abstract_state(config, "full_remat")
     whole = ox.estimate(
         make_step(optimizer_for("full_remat", config), PRESETS["full_remat"]),
@@ -296,6 +327,7 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
         "host_memory": target.speeds.host_memory,
         "speeds": dataclasses.asdict(target.speeds),
         "chosen": result.strategy.name if result else None,
+        "fraction": rows[-1].get("fraction") if result else None,
         "search": search,
         "notes": list(result.notes) if result else [],
         "fit_table": result.table(limit=8) if result else error,
@@ -316,7 +348,7 @@ def _points(
     arguments: dict[tuple, int] = {}
 
     def device_arguments(strategy: ox.Strategy) -> int:
-        key = (strategy.params, strategy.optimizer)
+        key = (strategy.params, strategy.optimizer, strategy.update)
         if key not in arguments:
             plan = make_step(optimizer, strategy).plan(*args)
             arguments[key] = sum(
@@ -329,7 +361,13 @@ def _points(
     def saved(strategy: ox.Strategy) -> int:
         if strategy.activations == "save":
             return 0
-        return name_bytes * sum(strategy.policy_of(n, "remat") == "save" for n in NAMES)
+        return int(name_bytes * sum(_saved_share(strategy.policy_of(n, "remat")) for n in NAMES))
+
+    def _saved_share(policy: Any) -> float:  # of the layers
+        if isinstance(policy, ox.LayerSplit):
+            first = min(policy.layers, config.layers) / config.layers
+            return first * (policy.first == "save") + (1 - first) * (policy.rest == "save")
+        return float(policy == "save")
 
     # Presets compiled here are candidates too: their compiles count as the search's.
     compiled_here = {
@@ -339,7 +377,11 @@ def _points(
     }
     overhead: dict[str, int] = {}
     known = [(c.strategy, c.device_bytes) for c in candidates if c.device_bytes is not None]
-    known += [(PRESETS[r["plan"]], r["device"]) for r in rows if r["plan"] in PRESETS]
+    known += [  # the presets of the search's optimizer
+        (PRESETS[r["plan"]], r["device"])
+        for r in rows
+        if r["plan"] in PRESETS and r["plan"] not in KINDS
+    ]
     for strategy, device in known:
         if device is not None:
             added = device - device_arguments(strategy) - saved(strategy)
@@ -366,225 +408,6 @@ def _points(
     return points
 
 
-# -- tables -----------------------------------------------------------------------------
-
-
-def _gb(n: float | None) -> str:
-    return "-" if n is None else f"{n / GB:.1f}"
-
-
-def _fits(row: dict) -> str:
-    if row["error"]:
-        return row["error"].split(":")[0]
-    return {True: "yes", False: "no", None: "-"}[row["fits"]]
-
-
-def preset_table(results: list[dict]) -> str:
-    header = [
-        "config",
-        "target",
-        "plan",
-        "step ms",
-        "tokens/s",
-        "MFU counted",
-        "MFU 6NT",
-        "moved GB",
-        "device GB",
-        "host GB",
-        "fits",
-    ]
-    body = []
-    for r in results:
-        for row in r["presets"]:
-            plan = row["plan"]
-            if plan == "ox.fit":
-                plan = f"ox.fit: {row['strategy']}"
-            body.append(
-                [
-                    r["config"],
-                    r["target"],
-                    plan,
-                    f"{row['seconds'] * 1e3:.0f}",
-                    f"{row['tokens_per_s']:.0f}",
-                    f"{row['mfu_counted']:.1%}",
-                    f"{row['mfu_6nt']:.1%}",
-                    _gb(row["moved"]),
-                    _gb(row["device"]),
-                    _gb(row["host"]),
-                    _fits(row),
-                ]
-            )
-    return format_table(header, body, markdown=True)
-
-
-def comparison_table(results: list[dict]) -> str:
-    header = [
-        "config",
-        "target",
-        "qkv vs full remat",
-        "fwd+bwd only",
-        "no overlap",
-        *(f"link {bw} GB/s" for bw in LINKS),
-        "break-even link GB/s",
-        "q/k/v share of FLOPs",
-        "matmul share of compute",
-        "update ms: streamed / whole state",
-        "ox.fit vs full remat",
-        "blog",
-    ]
-    body = []
-    for r in results:
-        c = r["comparison"]
-        even = c["break_even_link"]
-        body.append(
-            [
-                r["config"],
-                r["target"],
-                f"{c['qkv_vs_remat']:+.1%}",
-                f"{c['qkv_vs_remat_fwd_bwd']:+.1%}",
-                f"{c['qkv_vs_remat_no_overlap']:+.1%}",
-                *(f"{c['qkv_vs_remat_at_link'][str(bw)]:+.1%}" for bw in LINKS),
-                "< 0.1" if even is None else f"{even:.1f}",
-                f"{c['recompute_saved_share']:.1%}",
-                f"{c['matmul_share']:.0%}",
-                f"{c['update_streamed_s'] * 1e3:.0f} / {c['update_whole_state_s'] * 1e3:.0f}",
-                "-"
-                if c["fit_vs_remat"] is None
-                else f"{c['fit_vs_remat']:+.1%}"
-                + ("" if c["full_remat_fits"] else " (full remat does not fit)"),
-                c["blog"] or "-",
-            ]
-        )
-    return format_table(header, body, markdown=True)
-
-
-def search_table(results: list[dict]) -> str:
-    header = [
-        "config",
-        "target",
-        "chosen plan",
-        "s",
-        "traces",
-        "tracing s",
-        "compiles",
-        "compiling s",
-    ]
-    body = [
-        [
-            r["config"],
-            r["target"],
-            r["chosen"] or f"none: {r['search']['error'][:60]}",
-            f"{r['search']['seconds']:.1f}",
-            r["search"]["traces"],
-            f"{r['search']['trace_s']:.1f}",
-            r["search"]["compiles"],
-            f"{r['search']['compile_s']:.1f}",
-        ]
-        for r in results
-    ]
-    return format_table(header, body, markdown=True)
-
-
-# -- plot -------------------------------------------------------------------------------
-
-
-def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no other point beats in both memory and time, by memory."""
-    front: list[tuple[float, float]] = []
-    for memory, seconds in sorted(points):
-        if not front or seconds < front[-1][1]:
-            front.append((memory, seconds))
-    return front
-
-
-def plot(results: list[dict], path: Path) -> bool:
-    """Predicted step time against device memory, one panel per (config, target)."""
-    plt = pyplot()
-    if plt is None or not results:
-        return False
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    configs = list(dict.fromkeys(r["config"] for r in results))
-    targets = list(dict.fromkeys(r["target"] for r in results))
-    figure, axes = plt.subplots(
-        len(configs), len(targets), figsize=(6.5 * len(targets), 4.6 * len(configs)), squeeze=False
-    )
-    for r in results:
-        axis = axes[configs.index(r["config"])][targets.index(r["target"])]
-        xy = []
-        measured = [
-            (p["device_bytes"] if p["compiled_by"] else p["predicted_device"]) / GB
-            for p in r["candidates"]
-            if p["compiled_by"] or not p["bound_only"]
-        ]
-        left = min(measured, default=1.0) / 2
-        for p in r["candidates"]:
-            seconds = p["seconds"] * 1e3
-            if p["compiled_by"] is not None:
-                memory = p["device_bytes"] / GB
-                color = "tab:green" if p["fits"] else "tab:red"
-                axis.plot(memory, seconds, "o", color=color, ms=7, zorder=4)
-            elif p["bound_only"]:
-                # No plan of its base compiled: the arguments and saved names alone, a
-                # lower bound, drawn as "at least" and left out of the front.
-                memory = max(p["predicted_device"] / GB, left)
-                axis.plot(memory, seconds, ">", mfc="none", color="tab:gray", ms=5, alpha=0.6)
-                continue
-            else:
-                memory = p["predicted_device"] / GB
-                axis.plot(memory, seconds, "o", mfc="none", color="tab:gray", ms=5, alpha=0.6)
-            xy.append((memory, seconds))
-            if p["status"] == "best":
-                axis.plot(memory, seconds, "*", color="gold", ms=18, mec="k", zorder=5)
-        if not r["candidates"]:
-            lines = [
-                f"{row['plan']}: {row['seconds'] * 1e3:.0f} ms, {_fits(row)}"
-                for row in r["presets"]
-            ]
-            axis.text(
-                0.03,
-                0.5,
-                "\n".join(["ox.fit found no plan; presets:", *lines]),
-                fontsize=8,
-                transform=axis.transAxes,
-                va="center",
-            )
-        for i, row in enumerate(r["presets"]):
-            if row["plan"] == "ox.fit" or row["device"] is None:
-                continue
-            axis.annotate(
-                row["plan"],
-                (row["device"] / GB, row["seconds"] * 1e3),
-                fontsize=7,
-                xytext=(5, 10 - 9 * i),
-                textcoords="offset points",
-            )
-        front = _pareto(xy)
-        if front:
-            axis.step(*zip(*front), where="post", color="tab:blue", lw=1, label="Pareto front")
-        axis.axvline(r["capacity"] / GB, color="k", ls="--", lw=1, label="device capacity")
-        axis.set_xscale("log")
-        axis.set_xlim(left=left)
-        axis.xaxis.set_major_formatter(ScalarFormatter())
-        axis.xaxis.set_minor_formatter(NullFormatter())
-        axis.set_xlabel(
-            "device GB (filled: compiled; hollow: ox.fit's memory model; >: at least)", fontsize=8
-        )
-        axis.set_ylabel("predicted step ms")
-        chosen = r["chosen"] or f"raised {(r['search']['error'] or '')[:70]}"
-        axis.set_title(f"{r['config']} on {r['target']}\nox.fit: {chosen}", fontsize=8)
-        axis.legend(fontsize=7)
-    figure.suptitle(
-        f"ox.fit's candidates, Llama-like decoder, {BATCH} x 2048 tokens per step\n"
-        "green: fits, red: does not, star: ox.fit's plan",
-        fontsize=10,
-    )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
-
-
 # -- run --------------------------------------------------------------------------------
 
 
@@ -594,8 +417,10 @@ def run(
     max_compiles: int = SIZES["smoke"][2],
     out: Path = RESULTS,
     tag: str = "",
+    with_headline: bool = False,
 ) -> list[dict]:
-    """`ox.fit` and the presets for every (config, target); tables, JSON and a plot."""
+    """`ox.fit` and the presets for every (config, target); with `with_headline`, 13B on
+    one H100 at the largest batch (`_planner_headline`); tables, JSON and a plot."""
     started = time.perf_counter()
     targets = [t for t in targets if target_available(t)]
     results = []
@@ -604,30 +429,37 @@ def run(
         print(
             f"{name}: {config.parameters / 1e9:.2f}B parameters, {config.layers} layers, "
             f"d {config.dim}, ffn {config.ffn}, heads {config.heads}; batch {BATCH} x "
-            f"{config.seq} tokens, bf16, AdamW streamed by layer",
+            f"{config.seq} tokens, bf16, AdamW (update streamed by layer)",
             flush=True,
         )
         for target in targets:
             result = plan_one(config, target, max_compiles)
             print(result["fit_table"], flush=True)
             results.append(result)
+    top = None
+    if with_headline and target_available("h100"):
+        top = headline(PRESETS, KINDS, max(max_compiles, 12))
     elapsed = time.perf_counter() - started
 
-    print(f"\nPresets and ox.fit's plan (batch {BATCH} x 2048 tokens per device; GB = 1e9 B)")
-    print(preset_table(results))
-    print("\nPredicted gain of qkv_offloaded over full_remat (positive: faster), re-priced")
-    print(comparison_table(results))
-    print("\nSearch time of ox.fit on this machine")
-    print(search_table(results))
-    for r in results:
-        if (r["config"], r["target"]) == ("8B", "h100"):
-            s = r["search"]
-            verdict = "within" if s["seconds"] < 120 else "OVER"
-            print(
-                f"8B on h100: ox.fit searched in {s['seconds']:.1f} s ({verdict} the 120 s of "
-                f"issue 11): {s['traces']} traces ({s['trace_s']:.1f} s), {s['compiles']} "
-                f"compiles ({s['compile_s']:.1f} s)"
-            )
+    if results:
+        print(f"\nPresets and ox.fit's plan (batch {BATCH} x 2048 tokens per device; GB = 1e9 B)")
+        print(preset_table(results))
+        print("\nPredicted gain of qkv_offloaded over full_remat (positive: faster), re-priced")
+        print(comparison_table(results))
+        print("\nSearch time of ox.fit on this machine")
+        print(search_table(results))
+        for r in results:
+            if (r["config"], r["target"]) == ("8B", "h100"):
+                s = r["search"]
+                verdict = "within" if s["seconds"] < 120 else "OVER"
+                print(
+                    f"8B on h100: ox.fit searched in {s['seconds']:.1f} s ({verdict} the 120 s of "
+                    f"issue 11): {s['traces']} traces ({s['trace_s']:.1f} s), {s['compiles']} "
+                    f"compiles ({s['compile_s']:.1f} s)"
+                )
+    if top is not None:
+        print(f"\nLlama-2-13B on one H100, {top['seq']}-token sequences, largest batch per plan")
+        print(headline_table(top))
     print(f"total time {elapsed:.0f} s")
 
     out.mkdir(parents=True, exist_ok=True)
@@ -640,11 +472,12 @@ def run(
         },
         "presets": {n: dataclasses.asdict(s) for n, s in PRESETS.items()},
         "results": results,
+        "headline": top,
         "elapsed_s": elapsed,
         "versions": {"jax": jax.__version__},
     }
     (out / f"{stem}.json").write_text(json.dumps(document, indent=1, default=str))
-    plotted = plot(results, out / f"{stem}.png")
+    plotted = plot(results, out / f"{stem}.png", BATCH)
     print(f"wrote {out / stem}.json" + (" and .png" if plotted else ""))
     return results
 
@@ -653,7 +486,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true", help="1B on h100, 3 compiles per search")
-    size.add_argument("--full", action="store_true", help="1B, 8B, 13B on h100 and tpu-v5p")
+    size.add_argument(
+        "--full", action="store_true", help="1B, 8B, 13B on h100 and tpu-v5p, and the headline"
+    )
+    size.add_argument(
+        "--headline", action="store_true", help="only 13B on one H100 at the largest batch"
+    )
     parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
     parser.add_argument("--targets", nargs="+", choices=["h100", "tpu-v5p"])
     parser.add_argument("--max-compiles", type=int)
@@ -663,11 +501,14 @@ def main() -> None:
     args = parser.parse_args()
     size = "full" if args.full else "smoke" if args.smoke else "default"
     configs, targets, max_compiles = SIZES[size]
+    if args.headline:
+        configs, targets, size = [], [], "headline"
     run(
         args.configs or configs,
         args.targets or targets,
         args.max_compiles if args.max_compiles is not None else max_compiles,
         tag=args.tag if args.tag is not None else ("" if size == "full" else size),
+        with_headline=size in ("full", "headline"),
     )
 
 

@@ -70,9 +70,11 @@ def test_the_audit_of_every_decoder_step_raises_nothing(experiments):
 def planner():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
+        import _planner_report  # pyright: ignore[reportMissingImports]
         import planner  # pyright: ignore[reportMissingImports]
     finally:
         sys.path.remove(str(EXPERIMENTS))
+    planner.report = _planner_report
     return planner
 
 
@@ -95,4 +97,34 @@ def test_planner_reprices_with_the_estimate_model(planner):
     # Offloading pays while 0.5 s + 0.01 s of copies, scaled by 32 GB/s / bandwidth, stay
     # under the 1.2 s that recomputing takes: down to 32 x 0.51 / 1.2 GB/s.
     assert planner._break_even(offloaded, remat, speeds) == pytest.approx(32 * 0.51 / 1.2, 1e-3)
-    assert planner._pareto([(1, 5), (2, 3), (3, 4), (4, 1)]) == [(1, 5), (2, 3), (4, 1)]
+    assert planner.report.pareto([(1, 5), (2, 3), (3, 4), (4, 1)]) == [(1, 5), (2, 3), (4, 1)]
+
+
+def test_planner_describes_the_fraction_a_plan_splits(planner, experiments):
+    """What the planner prints of a fractional plan: a name's layers, and the share of
+    parameter bytes on the host when they are placed leaf by leaf."""
+    import offload_eqx as ox
+
+    decoder = experiments
+    config = decoder.CONFIGS["tiny"]
+    model, opt_state = decoder.abstract_state(config, "full_remat")
+    optimizer = decoder.optimizer_for("full_remat", config)
+    tokens = jax.ShapeDtypeStruct((2, config.seq + 1), jnp.int32)
+    strategy = ox.Strategy(
+        "split", params={"*.w_up": "pinned_host", "*": "device"}, optimizer="pinned_host",
+        activations="remat", names={"q": ("save", 2, "offload")},
+    )  # fmt: skip
+    step = decoder.make_step(optimizer, strategy)
+    text = planner.fraction(strategy, step, (model, opt_state, tokens), config.layers)
+    up = model.layers.w_up
+    total = sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree_util.tree_leaves(model)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    )
+    share = up.size * up.dtype.itemsize / total
+    assert text.startswith("q save in 2 of 3 layers, offload in the rest; parameters ")
+    assert f"parameters {share:.0%} on the host (1 of " in text
+    assert "state" not in text  # all of it in one place
+    whole = ox.Strategy("whole", params="pinned_host", optimizer="pinned_host")
+    assert planner.fraction(whole, step, (model, opt_state, tokens), 3) == "all or nothing"

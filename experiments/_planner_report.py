@@ -1,0 +1,308 @@
+"""The planner experiment's tables and plot (`planner.py` runs it): presets and
+`ox.fit`'s plans, the re-priced comparison, the search times, the 13B headline, and
+predicted step time against device memory for every candidate."""
+
+import textwrap
+from pathlib import Path
+
+from _report import format_table, pyplot
+
+GB = 1e9
+# Host-link bandwidths (GB/s, both directions) the presets are re-priced at.
+LINKS = (4, 8, 16, 32, 64)
+
+
+# -- tables -----------------------------------------------------------------------------
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / GB:.1f}"
+
+
+def _fits(row: dict) -> str:
+    if row["error"]:
+        return row["error"].split(":")[0]
+    return {True: "yes", False: "no", None: "-"}[row["fits"]]
+
+
+def preset_table(results: list[dict]) -> str:
+    header = [
+        "config",
+        "target",
+        "plan",
+        "step ms",
+        "tokens/s",
+        "MFU counted",
+        "MFU 6NT",
+        "moved GB",
+        "device GB",
+        "host GB",
+        "fits",
+    ]
+    body = []
+    for r in results:
+        for row in r["presets"]:
+            plan = row["plan"]
+            if plan == "ox.fit":
+                plan = f"ox.fit: {row['strategy']}"
+            body.append(
+                [
+                    r["config"],
+                    r["target"],
+                    plan,
+                    f"{row['seconds'] * 1e3:.0f}",
+                    f"{row['tokens_per_s']:.0f}",
+                    f"{row['mfu_counted']:.1%}",
+                    f"{row['mfu_6nt']:.1%}",
+                    _gb(row["moved"]),
+                    _gb(row["device"]),
+                    _gb(row["host"]),
+                    _fits(row),
+                ]
+            )
+    return format_table(header, body, markdown=True)
+
+
+def comparison_table(results: list[dict]) -> str:
+    header = [
+        "config",
+        "target",
+        "qkv vs full remat",
+        "fwd+bwd only",
+        "no overlap",
+        *(f"link {bw} GB/s" for bw in LINKS),
+        "break-even link GB/s",
+        "q/k/v share of FLOPs",
+        "matmul share of compute",
+        "update ms: streamed / whole state",
+        "ox.fit vs full remat",
+        "blog",
+    ]
+    body = []
+    for r in results:
+        c = r["comparison"]
+        even = c["break_even_link"]
+        body.append(
+            [
+                r["config"],
+                r["target"],
+                f"{c['qkv_vs_remat']:+.1%}",
+                f"{c['qkv_vs_remat_fwd_bwd']:+.1%}",
+                f"{c['qkv_vs_remat_no_overlap']:+.1%}",
+                *(f"{c['qkv_vs_remat_at_link'][str(bw)]:+.1%}" for bw in LINKS),
+                "< 0.1" if even is None else f"{even:.1f}",
+                f"{c['recompute_saved_share']:.1%}",
+                f"{c['matmul_share']:.0%}",
+                f"{c['update_streamed_s'] * 1e3:.0f} / {c['update_whole_state_s'] * 1e3:.0f}",
+                "-"
+                if c["fit_vs_remat"] is None
+                else f"{c['fit_vs_remat']:+.1%}"
+                + ("" if c["full_remat_fits"] else " (full remat does not fit)"),
+                c["blog"] or "-",
+            ]
+        )
+    return format_table(header, body, markdown=True)
+
+
+def search_table(results: list[dict]) -> str:
+    header = [
+        "config",
+        "target",
+        "chosen plan",
+        "fraction",
+        "s",
+        "traces",
+        "tracing s",
+        "compiles",
+        "compiling s",
+    ]
+    body = [
+        [
+            r["config"],
+            r["target"],
+            r["chosen"] or f"none: {r['search']['error'][:60]}",
+            r.get("fraction") or "-",
+            f"{r['search']['seconds']:.1f}",
+            r["search"]["traces"],
+            f"{r['search']['trace_s']:.1f}",
+            r["search"]["compiles"],
+            f"{r['search']['compile_s']:.1f}",
+        ]
+        for r in results
+    ]
+    return format_table(header, body, markdown=True)
+
+
+# -- plot -------------------------------------------------------------------------------
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats in both memory and time, by memory."""
+    front: list[tuple[float, float]] = []
+    for memory, seconds in sorted(points):
+        if not front or seconds < front[-1][1]:
+            front.append((memory, seconds))
+    return front
+
+
+# How a plan that did not compile is named on the plot, from its recorded error.
+def _why_not(error: str) -> str:
+    if "does not support" in error:
+        return "refused by offload_eqx"
+    return error.split(":")[0]
+
+
+def _place_labels(axis, points: list[tuple[float, float, str]], fontsize: float = 8) -> None:
+    """Label each (x, y) data point with its text, choosing for each the first of a few
+    offsets whose box overlaps no label placed before (an estimate of the text's size)."""
+    offsets = [(8, 6), (8, -14), (-8, 6), (-8, -14), (8, 20), (8, -28), (-8, 20), (-8, -28)]
+    placed: list[tuple[float, float, float, float]] = []
+    scale = axis.figure.dpi / 72  # points to pixels
+    for x, y, text in points:
+        px, py = axis.transData.transform((x, y))
+        width, height = 0.6 * fontsize * len(text) * scale, 1.3 * fontsize * scale
+        for dx, dy in offsets:
+            x0 = px + dx * scale - (width if dx < 0 else 0)
+            box = (x0, py + dy * scale, x0 + width, py + dy * scale + height)
+            if not any(
+                box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed
+            ):
+                break
+        placed.append(box)
+        axis.annotate(
+            text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+            ha="right" if dx < 0 else "left", va="bottom",
+            arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.6},
+        )  # fmt: skip
+
+
+def plot(results: list[dict], path: Path, batch: int) -> bool:
+    """Predicted step time against device memory, one panel per (config, target): every
+    candidate of `ox.fit`'s search (filled when compiled: green fits, red does not; hollow
+    where it is `ox.fit`'s memory model; `>` a lower bound), its plan (star), the Pareto
+    front, the device capacity and the presets by name; one legend for the figure."""
+    plt = pyplot()
+    if plt is None or not results:
+        return False
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    targets = list(dict.fromkeys(r["target"] for r in results))
+    width = max(7.5 * len(targets), 10.5)
+    figure, axes = plt.subplots(
+        len(configs),
+        len(targets),
+        figsize=(width, 5.2 * len(configs) + 1.2),
+        squeeze=False,
+        layout="constrained",
+    )
+    for r in results:
+        axis = axes[configs.index(r["config"])][targets.index(r["target"])]
+        chosen = f"ox.fit chose {r['chosen']}" if r["chosen"] else "ox.fit found no plan"
+        missing = [
+            f"{row['plan']} ({_why_not(row['error'] or 'not compiled')})"
+            for row in r["presets"]
+            if row["plan"] != "ox.fit" and row["device"] is None
+        ]
+        title = textwrap.fill(f"{r['config']} on {r['target']}: {chosen}", 80)
+        if missing and r["candidates"]:
+            title += "\n" + textwrap.fill("presets not compiled: " + ", ".join(missing), 80)
+        axis.set_title(title, fontsize=9.5)
+        if not r["candidates"]:
+            # Nothing to draw: no axes, the reason and the presets' outcomes as text.
+            axis.set_axis_off()
+            first, *rest = (r["search"].get("error_full") or r["search"]["error"] or "-").split(
+                "\n"
+            )
+            lines = [
+                textwrap.fill(first, 100),
+                *(textwrap.shorten(line, 100, placeholder=" ...") for line in rest[:12]),
+                "",
+                "Presets (predicted step time, compile outcome):",
+                *(
+                    f"  {row['plan']}: {row['seconds'] * 1e3:.0f} ms, "
+                    + (_why_not(row["error"]) if row["error"] else _fits(row))
+                    for row in r["presets"]
+                ),
+            ]
+            axis.text(0.5, 0.5, "\n".join(lines), fontsize=8, transform=axis.transAxes,
+                      ha="center", va="center", multialignment="left",
+                      bbox={"facecolor": "0.95", "edgecolor": "0.6"})  # fmt: skip
+            continue
+        xy = []
+        measured = [
+            (p["device_bytes"] if p["compiled_by"] else p["predicted_device"]) / GB
+            for p in r["candidates"]
+            if p["compiled_by"] or not p["bound_only"]
+        ]
+        left = min(measured, default=1.0) / 2
+        for p in r["candidates"]:
+            seconds = p["seconds"] * 1e3
+            if p["compiled_by"] is not None:
+                memory = p["device_bytes"] / GB
+                color = "tab:green" if p["fits"] else "tab:red"
+                axis.plot(memory, seconds, "o", color=color, ms=7, zorder=4)
+            elif p["bound_only"]:
+                # No plan of its base compiled: the arguments and saved names alone, a
+                # lower bound, drawn as "at least" and left out of the front.
+                memory = max(p["predicted_device"] / GB, left)
+                axis.plot(memory, seconds, ">", mfc="none", color="tab:gray", ms=6, alpha=0.7)
+                continue
+            else:
+                memory = p["predicted_device"] / GB
+                axis.plot(memory, seconds, "o", mfc="none", color="tab:gray", ms=5, alpha=0.6)
+            xy.append((memory, seconds))
+            if p["status"] == "best":
+                axis.plot(memory, seconds, "*", color="gold", ms=18, mec="k", zorder=5)
+        for row in r["presets"]:  # a preset outside the search (host_update) is drawn too
+            if row["plan"] != "ox.fit" and row["device"] is not None:
+                color = "tab:green" if row["fits"] else "tab:red"
+                axis.plot(row["device"] / GB, row["seconds"] * 1e3, "o", color=color, ms=7)
+        front = pareto(xy)
+        if front:
+            axis.step(*zip(*front), where="post", color="tab:blue", lw=1)
+        capacity = r["capacity"] / GB
+        axis.axvline(capacity, color="k", ls="--", lw=1)
+        axis.text(capacity, 1.0, f" {capacity:.0f} GB", transform=axis.get_xaxis_transform(),
+                  va="top", fontsize=8)  # fmt: skip
+        axis.set_xscale("log")
+        axis.set_xlim(left=left)
+        axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.tick_params(labelsize=9)
+        axis.grid(alpha=0.3, which="major")
+        axis.set_xlabel("device memory of one step, GB (1e9 B; log scale)", fontsize=9.5)
+        axis.set_ylabel("predicted step time, ms", fontsize=9.5)
+        _place_labels(
+            axis,
+            [
+                (row["device"] / GB, row["seconds"] * 1e3, row["plan"])
+                for row in r["presets"]
+                if row["plan"] != "ox.fit" and row["device"] is not None
+            ],
+        )
+    handles = [
+        Line2D([], [], marker="o", color="tab:green", ls="", ms=7, label="compiled, fits"),
+        Line2D([], [], marker="o", color="tab:red", ls="", ms=7, label="compiled, does not fit"),
+        Line2D([], [], marker="o", mfc="none", color="tab:gray", ls="", ms=6,
+               label="not compiled: ox.fit's memory model"),
+        Line2D([], [], marker=">", mfc="none", color="tab:gray", ls="", ms=6,
+               label="not compiled: at least this much"),
+        Line2D([], [], marker="*", color="gold", mec="k", ls="", ms=14, label="ox.fit's plan"),
+        Line2D([], [], color="tab:blue", lw=1, label="Pareto front"),
+        Line2D([], [], color="k", ls="--", lw=1, label="device capacity (one chip)"),
+    ]  # fmt: skip
+    if any(r["candidates"] for r in results):  # a legend only for what is drawn
+        figure.legend(
+            handles=handles, loc="outside lower center", ncols=4 if width > 11 else 3, fontsize=9.5
+        )
+    title = (
+        f"ox.fit's candidate plans for the Llama-like decoder, {batch} x 2048 tokens per step: "
+        "predicted step time against device memory (presets labelled by name)"
+    )
+    figure.suptitle(textwrap.fill(title, int(width * 12)), fontsize=11)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
