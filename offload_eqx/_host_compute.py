@@ -53,7 +53,7 @@ NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 # issue's probe saw XLA:TPU give the host call's operands a linear layout. Building state
 # on the host (`_compile`, `_optimizer_state`) is not refused: a stacked model built for
 # tpu-v5p that way needs 512 B of device memory (128 MiB on the host).
-HOST_UPDATE = ("optimizer update", "apply updates")
+HOST_UPDATE = ("optimizer update", "apply updates", "optimizer update and apply")
 HOST_UPDATE_PROBLEMS: dict[str, str] = {
     "tpu": (
         "XLA:TPU gains nothing from it: on the tutorial's optimizer workload (DIM 1024, "

@@ -236,6 +236,12 @@ def update_and_apply(
     _check_transformation(opt, where="ox.update_and_apply's `opt`")
     if isinstance(opt.update, StreamedUpdate):
         return opt.update.update_and_apply(grads, opt_state, params, **extra_args)
+    if isinstance(opt.update, HostUpdate) and opt.update.on_host(opt_state):
+        _check_updates(params, grads)
+        new_host, others, opt_state = opt.update.update_and_apply(
+            grads, opt_state, params, **extra_args
+        )
+        return _apply(params, others, new_host), opt_state
     if isinstance(opt, optax.GradientTransformationExtraArgs):
         updates, opt_state = opt.update(grads, opt_state, params, **extra_args)
     elif extra_args:
@@ -259,7 +265,12 @@ def apply_updates(model: Any, updates: Any) -> Any:
     updates leave the leaf unchanged, as in `eqx.apply_updates`.
     """
     _check_updates(model, updates)
-    on_host = apply_on_host(model, updates)
+    return _apply(model, updates, apply_on_host(model, updates))
+
+
+def _apply(model: Any, updates: Any, on_host: Any) -> Any:
+    """`model + updates` leaf by leaf, where `on_host` (the model's structure) holds the
+    new value of each leaf already summed on the host, None elsewhere."""
 
     def apply(path, update, param, new):
         if new is not None:

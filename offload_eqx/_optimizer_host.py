@@ -87,21 +87,14 @@ class HostUpdate:
         self.device_update = device_update
         self.where = where
 
+    def on_host(self, state: Any) -> bool:
+        return self.where(state) == "host"
+
     def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        if self.where(state) != "host":
+        if not self.on_host(state):
             return self.device_update(updates, state, params, **extra_args)
-        check_ours(state, streamed=False, name=NAME)
-        grads = trainable(updates)
+        grads, given = self._operands(updates, state, params, extra_args)
         inner = self.inner
-        check_matches(type(state)(jax.eval_shape(inner.init, shapes(grads))), state, name=NAME)
-        needs_params = reads_params(inner, grads, state.inner, extra_args)
-        if needs_params and params is None:
-            raise ValueError(
-                f"{NAME}: the transformation reads the parameters (weight decay, a mask "
-                "of the parameters, ...), but `update` was called without them. Call "
-                "`opt.update(grads, opt_state, params)`."
-            )
-        given = trainable(params) if needs_params else None
 
         def update(grads, inner_state, params, extra_args):
             return call_update(inner, grads, inner_state, params, extra_args)
@@ -117,3 +110,60 @@ class HostUpdate:
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
         )
         return new_updates, type(state)(new_inner)
+
+    def update_and_apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
+        """The host update and the sum for host-resident parameters in one host
+        computation: `(new host parameters, updates of the others, new state)`.
+
+        The updates of host-resident parameters never leave that computation: passed from
+        one host computation to another (`update` then `apply_on_host`), XLA:GPU places
+        them in *device* memory in between (a scanned 8 x 1024^2 model: 8.25P of device
+        memory against 7.25P for the layer-streamed device update)."""
+        grads, given = self._operands(grads, state, params, extra_args)
+        inner = self.inner
+        host = jax.tree_util.tree_map(lambda p: p if is_host_typed(p) else None, trainable(params))
+
+        def update(grads, inner_state, given, host, extra_args):
+            updates, new_inner = call_update(inner, grads, inner_state, given, extra_args)
+            is_none = lambda x: x is None  # noqa: E731
+            new_host = jax.tree_util.tree_map(
+                lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=is_none
+            )
+            others = jax.tree_util.tree_map(
+                lambda p, u: u if p is None else None, host, updates, is_leaf=is_none
+            )
+            return new_host, others, new_inner
+
+        new_host, others, new_inner = on_host(
+            update,
+            grads,
+            state.inner,
+            given,
+            host,
+            extra_args,
+            flatten=flatten_transfers(),
+            name="optimizer update and apply",
+            labels=(
+                ("gradient", "grads"),
+                ("optimizer", "opt_state"),
+                ("parameter", "params"),
+                ("parameter", "params"),
+            ),
+        )
+        return new_host, others, type(state)(new_inner)
+
+    def _operands(self, updates: Any, state: Any, params: Any, extra_args: dict) -> tuple:
+        """The gradients and, if the transformation reads them, the parameters, checked
+        against the state."""
+        check_ours(state, streamed=False, name=NAME)
+        grads = trainable(updates)
+        inner = self.inner
+        check_matches(type(state)(jax.eval_shape(inner.init, shapes(grads))), state, name=NAME)
+        needs_params = reads_params(inner, grads, state.inner, extra_args)
+        if needs_params and params is None:
+            raise ValueError(
+                f"{NAME}: the transformation reads the parameters (weight decay, a mask "
+                "of the parameters, ...), but `update` was called without them. Call "
+                "`opt.update(grads, opt_state, params)`."
+            )
+        return grads, trainable(params) if needs_params else None

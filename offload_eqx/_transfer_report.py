@@ -53,7 +53,7 @@ class HostComputation:
     its operands are read and its results written in host memory; what it receives from
     the device is listed among the transfers, sent explicitly before it."""
 
-    name: str  # "optimizer update", "apply updates"
+    name: str  # "optimizer update", "apply updates", "optimizer update and apply"
     phase: Phase
     count: int
     operand_bytes: int  # per call: everything it reads in host memory
