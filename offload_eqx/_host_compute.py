@@ -49,16 +49,18 @@ NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
 # The host computations of the optimizer update on the host (`update_on="host"`), and
 # the platforms on which they are refused, and why. Measured with the deviceless compilers
-# (`experiments/optimizer_offloading.py`'s programs at DIM 1024, the refusal bypassed); the
-# issue's probe saw XLA:TPU give the host call's operands a linear layout. Building state
+# on the update and the sum in one host computation (`tests/test_optimizer_host.py`'s
+# scanned model, the refusal bypassed); an earlier probe saw XLA:TPU give the host
+# call's operands a linear layout. Building state
 # on the host (`_compile`, `_optimizer_state`) is not refused: a stacked model built for
 # tpu-v5p that way needs 512 B of device memory (128 MiB on the host).
 HOST_UPDATE = ("optimizer update", "apply updates", "optimizer update and apply")
 HOST_UPDATE_PROBLEMS: dict[str, str] = {
     "tpu": (
-        "XLA:TPU gains nothing from it: on the tutorial's optimizer workload (DIM 1024, "
-        "deviceless tpu-v5p) the host update needs 57.4 MiB of device memory against "
-        "41.6 MiB for the device update with `stream='leaf'` (h100: 52.0 against 56.0)"
+        "XLA:TPU gains nothing from it: under 'hybrid', on a model of 8 scanned layers "
+        "of 1024x1024 (deviceless tpu-v5p), the host update needs 66.84 MiB of device "
+        "memory against 24.19 MiB for the device update with `stream='layer'` (h100: "
+        "12.00 against 29.01 MiB)"
     ),
 }
 
