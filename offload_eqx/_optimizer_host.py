@@ -82,10 +82,17 @@ class HostUpdate:
     as `where(state)` says (the plan in force, else the state's declaration);
     `device_update` is the device path."""
 
-    def __init__(self, inner: optax.GradientTransformation, device_update: Any, where: Any):
+    def __init__(
+        self,
+        inner: optax.GradientTransformation,
+        device_update: Any,
+        where: Any,
+        streamed: bool = False,
+    ):
         self.inner = inner
         self.device_update = device_update
         self.where = where
+        self.streamed = streamed  # the state of a streamed optimizer (`_optimizer_stream`)
 
     def on_host(self, state: Any) -> bool:
         return self.where(state) == "host"
@@ -155,7 +162,7 @@ class HostUpdate:
     def _operands(self, updates: Any, state: Any, params: Any, extra_args: dict) -> tuple:
         """The gradients and, if the transformation reads them, the parameters, checked
         against the state."""
-        check_ours(state, streamed=False, name=NAME)
+        check_ours(state, streamed=self.streamed, name=NAME)
         grads = trainable(updates)
         inner = self.inner
         check_matches(type(state)(jax.eval_shape(inner.init, shapes(grads))), state, name=NAME)

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._memory_space import is_host_typed, to_device, to_host
+from ._memory_space import is_host_typed, labelled, to_device, to_host
 from ._optimizer_checks import check_elementwise, check_per_leaf, is_stacked
+from ._optimizer_host import HostUpdate
 from ._optimizer_state import (
     NAME,
     StreamState,
@@ -210,17 +211,59 @@ class StreamedUpdate:
             shapes(grads),
         )
 
+    def _whole_leaves(self) -> optax.GradientTransformationExtraArgs:
+        """This optimizer on whole leaves: the global part, then `tx` on each leaf at
+        once. `tx` is elementwise within a leaf (checked by `init`), so this equals the
+        per-layer loop; it is what the host update computes (nothing to fetch there)."""
+
+        def init(params):
+            return StreamState(
+                global_state=self.global_tx.init(params),
+                leaves=jax.tree_util.tree_map(self.tx.init, params),
+            )
+
+        def update(grads, state, params=None, **extra_args):
+            grads, global_state = call_update(
+                self.global_tx, grads, state.global_state, params, extra_args
+            )
+            leaves, treedef = jax.tree_util.tree_flatten(grads)
+            states = treedef.flatten_up_to(state.leaves)
+            given = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
+            done = [
+                call_update(self.tx, g, s, p, extra_args) for g, s, p in zip(leaves, states, given)
+            ]
+            updates = jax.tree_util.tree_unflatten(treedef, [u for u, _ in done])
+            new_leaves = jax.tree_util.tree_unflatten(treedef, [s for _, s in done])
+            return updates, StreamState(global_state=global_state, leaves=new_leaves)
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    def _on_host(self, grads, state, params, extra_args, apply):
+        """Under a strategy with `update="host"`: the whole update in one host
+        computation (`_optimizer_host.HostUpdate`), as `update_on="host"` does; with
+        `apply`, the sum for host-resident parameters in the same computation and the
+        updates of the others fetched and added on the device."""
+        host = HostUpdate(self._whole_leaves(), None, lambda _: "host", streamed=True)
+        if not apply:
+            return host(grads, state, params, **extra_args)
+        new_host, others, new_state = host.update_and_apply(grads, state, params, **extra_args)
+
+        def new_value(path, param, new, update):
+            if new is not None or update is None:
+                return param if new is None else new
+            with labelled("update", "updates" + jax.tree_util.keystr(path)):
+                return (param + to_device(update)).astype(param.dtype)
+
+        arrays = jax.tree_util.tree_map_with_path(
+            new_value, trainable(params), new_host, others, is_leaf=lambda x: x is None
+        )
+        return arrays, new_state
+
     def _step(self, updates, state, params, extra_args, apply):
         check_ours(state, streamed=True, name=NAME)
         plan = active_plan()
         if plan is not None and plan.strategy.update == "host":
-            raise ValueError(
-                f"Strategy {plan.strategy.name!r} runs optimizer updates on the host "
-                f"(update='host'), but this {NAME} streams its state to the device "
-                f"(stream={'leaf' if self.layers is None else 'layer'!r}). Build it with "
-                f"`{NAME}(tx, update_on='host')` (no stream), or use a strategy with "
-                "update='device'."
-            )
+            return self._on_host(updates, state, params, extra_args, apply)
         if apply and params is None:
             raise ValueError(
                 f"{NAME}: `ox.update_and_apply` needs the parameters: call it as "

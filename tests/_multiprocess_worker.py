@@ -67,6 +67,15 @@ def loss_fn(model, x):
 
 
 def make_optimizer(update_on="device"):
+    """`update_on`: "device" or "host" (the whole-state optimizer), or "layer": the same
+    chain streamed by layer, its clipping as the global transform."""
+    if update_on == "layer":
+        return ox.offload_optimizer(
+            optax.adam(1e-2),
+            stream="layer",
+            layers=DEPTH,
+            global_transform=optax.clip_by_global_norm(1.0),
+        )
     return ox.offload_optimizer(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), update_on=update_on
     )

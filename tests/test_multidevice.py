@@ -156,6 +156,23 @@ def _specs_and_memories(tree):
 
 
 @on_eight_devices
+@pytest.mark.parametrize("params", ["device", "pinned_host"])
+def test_a_layer_streamed_optimizer_updates_on_the_host_of_a_mesh(params):
+    """A strategy with `update="host"` runs a layer-streamed optimizer as one host
+    computation on a 2x4 mesh: each device's shard on its own host, the state sharded like
+    its parameter in pinned_host, the results equal the one-device device update's."""
+    strategy = ox.Strategy("host", params=params, optimizer="pinned_host", update="host")
+    run = train(_mesh(), strategy, update_on="layer")
+    reference = _reference()
+    np.testing.assert_allclose([float(x) for x in run["losses"]], reference["losses"], rtol=2e-5)
+    _assert_close(gather(run["model"]), reference["model"], "model")
+    mu = run["opt_state"].inner.leaves.layers.w1[0].mu
+    assert mu.sharding == NamedSharding(_mesh(), FSDP, memory_kind="pinned_host")
+    for leaf in jax.tree_util.tree_leaves(run["opt_state"]):
+        assert leaf.sharding.memory_kind == "pinned_host"
+
+
+@on_eight_devices
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_place_shards_parameters_and_optimizer_state(axis_type):
     mesh = _mesh(axis_type)

@@ -197,11 +197,38 @@ def test_a_strategy_with_a_host_update_and_device_state_is_refused():
         ox.Strategy("s", optimizer="device", update="host")
 
 
-def test_a_streamed_optimizer_under_a_host_update_strategy_is_refused():
-    strategy = ox.Strategy("host_update", optimizer="pinned_host", update="host")
-    opt = ox.offload_optimizer(optax.adam(1e-2), stream="leaf")
-    with pytest.raises(ValueError, match=r"runs optimizer updates on the host .*stream"):
-        _train(opt, strategy, steps=1)
+@pytest.mark.parametrize("stream", ["leaf", "layer"])
+@pytest.mark.parametrize("params", ["device", "pinned_host"])
+@pytest.mark.parametrize("apply", ["update_and_apply", "apply_updates"])
+def test_a_streamed_optimizer_updates_on_the_host_under_a_host_update_strategy(
+    stream, params, apply
+):
+    """One optimizer serves both kinds of plan: streamed to the device by default, one
+    host computation under `update="host"` (`ox.fit` searches both with one step). The
+    global transform runs on the host too; the results equal plain optax."""
+    strategy = ox.Strategy(
+        "host_update", params=params, optimizer="pinned_host", activations="remat", update="host"
+    )
+    layers = {"layer": 3, "leaf": None}[stream]  # `scanned_model` has 3 layers
+    opt = ox.offload_optimizer(
+        optax.adamw(1e-2, weight_decay=0.1),
+        stream=stream,
+        layers=layers,
+        global_transform=optax.clip_by_global_norm(0.5),
+    )
+    model, state, step, x = _train(opt, strategy, apply=apply)
+    reference = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+    _assert_equal(model, _reference(reference))
+    for leaf in jax.tree_util.tree_leaves(state):
+        assert leaf.sharding.memory_kind == "pinned_host"
+    report = ox.audit(step, model, state, x)
+    assert not report.select(kind="optimizer")
+    names = [h.name for h in report.host_computations]
+    expected = {
+        "update_and_apply": ["optimizer update and apply"],
+        "apply_updates": ["optimizer update"] + (["apply updates"] if params != "device" else []),
+    }
+    assert names == expected[apply]
 
 
 def test_update_without_parameters_for_weight_decay_is_refused():
