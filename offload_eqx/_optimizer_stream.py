@@ -216,15 +216,15 @@ class StreamedUpdate:
         once. `tx` is elementwise within a leaf (checked by `init`), so this equals the
         per-layer loop; it is what the host update computes (nothing to fetch there)."""
 
-        def init(params):
+        def init(params: Any) -> Any:
             return StreamState(
                 global_state=self.global_tx.init(params),
                 leaves=jax.tree_util.tree_map(self.tx.init, params),
             )
 
-        def update(grads, state, params=None, **extra_args):
+        def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
             grads, global_state = call_update(
-                self.global_tx, grads, state.global_state, params, extra_args
+                self.global_tx, updates, state.global_state, params, extra_args
             )
             leaves, treedef = jax.tree_util.tree_flatten(grads)
             states = treedef.flatten_up_to(state.leaves)
