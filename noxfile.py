@@ -6,6 +6,7 @@ nox -s deviceless       # memory reports from the real XLA:GPU / XLA:TPU compile
 nox -s lint typecheck   # ruff, pyright
 nox -s experiments      # the experiments on small defaults (--smoke)
 nox -s benchmarks       # dispatch overhead, audit time
+nox -s docs             # the documentation site into site/ (mkdocs --strict)
 """
 
 import os
@@ -14,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "typecheck", "tests", "deviceless", "multidevice"]
+nox.options.sessions = ["lint", "typecheck", "tests", "deviceless", "multidevice", "docs"]
 
 PYTHON = "3.11"
 # A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;
@@ -55,10 +56,9 @@ def deviceless(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff: `nox -s lint`."""
     session.install("ruff==0.17.6")
-    session.run(
-        "ruff", "check", "offload_eqx", "tests", "experiments", "noxfile.py", *session.posargs
-    )
-    session.run("ruff", "format", "--check", "offload_eqx", "tests", "experiments", "noxfile.py")
+    paths = ("offload_eqx", "tests", "experiments", "docs/_hooks.py", "noxfile.py")
+    session.run("ruff", "check", *paths, *session.posargs)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session(python=PYTHON)
@@ -76,6 +76,18 @@ def experiments(session: nox.Session) -> None:
     for script in sorted(os.listdir("experiments")):
         if script.endswith(".py") and not script.startswith("_"):
             session.run("python", f"experiments/{script}", size, env=CPU_ENV)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site into `site/`: `nox -s docs` (`-- serve` to preview it)."""
+    session.install("-e", ".[docs]")
+    # mkdocs-material prints a banner about its end of life on every build otherwise.
+    env = {**CPU_ENV, "NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:], env=env)
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)

@@ -116,5 +116,11 @@ def activations(**policies: str) -> Any:
     class Model(eqx.Module):
         activations: ox.Activations = ox.activations(x="offload")
     ```
+
+    **Arguments:** `**policies`: each name given to `ox.name` with its policy,
+    `"save"`, `"offload"` or `"remat"`. One name has one policy for the whole model; any
+    module, at any depth, may declare names.
+
+    **Returns:** an `eqx.field(static=True)` whose default is `ox.Activations(**policies)`.
     """
     return eqx.field(static=True, default=Activations(**policies))

@@ -115,6 +115,8 @@ def tree_deserialise_leaves(
 
     Python and NumPy scalars and NumPy arrays are read as Equinox reads them.
 
+    **Returns:** a tree like `like`, each array read into its planned memory.
+
     **Raises:** `ValueError` naming the first leaf whose shape or dtype differs from
     `like`'s, or that the file lacks, or saying that the file holds more leaves.
     """
@@ -225,6 +227,9 @@ def restore_checkpoint(
         mesh=mesh)` says: host-resident leaves are read into host memory, sharded leaves
         into their shards, on one device or a mesh (Orbax records no memory kinds, so the
         target carries them).
+
+    **Returns:** a tree like `like`, its arrays read from the checkpoint into planned
+    memory (and shards).
 
     **Raises:** `ValueError` naming the first leaf of `like` that the checkpoint lacks or
     stores with another shape or dtype, before anything is read.

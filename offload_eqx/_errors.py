@@ -12,7 +12,13 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
-    """One breach of the placement contract."""
+    """One breach of the placement contract, as `ox.audit` found it.
+
+    - `rule`: which rule is broken, in a few words (`"nothing to offload"`,
+        `"host leaf outside region"`, ...).
+    - `path`: the leaf path or activation name it concerns (`model.layers.w1`, `h`).
+    - `message`: the full sentence: what was found, where, and the fix.
+    """
 
     rule: str
     path: str
@@ -20,8 +26,18 @@ class Violation:
 
 
 class ContractError(ValueError):
-    """The program breaks the placement contract; `.violations` lists each breach and
-    `.report` is the full `TransferReport` when the program could be traced."""
+    """The program breaks the placement contract (a `ValueError`).
+
+    Raised by `ox.audit` (and `ox.estimate`, which audits the step): a host-resident leaf
+    used outside a region, arithmetic on host-typed values outside `ox.host_compute()`,
+    host-typed gradients reaching the optimizer, a declared activation that is not
+    saved, offloaded or recomputed as declared, an output in another memory than its
+    argument's plan. Some breaches (an offloaded name that the backward pass never
+    reads) are raised as soon as `ox.filter_jit` compiles the step.
+
+    - `.violations`: a tuple of `ox.Violation`, one per breach.
+    - `.report`: the full `ox.TransferReport` when the program could be traced, else None.
+    """
 
     def __init__(self, message: str, violations: Sequence[Violation] = (), report: Any = None):
         super().__init__(message)
@@ -31,7 +47,11 @@ class ContractError(ValueError):
 
 class HostUseError(ContractError):
     """Host-resident leaves reached an operation that mixes memory spaces: used outside
-    any region, or their host-typed gradients met device values. `.paths` names them."""
+    any region, or their host-typed gradients met device values. `.paths` names them.
+
+    A `ContractError`; its message names each leaf, the line of the user's code, and the
+    fixes (`ox.fetch`, a region, `optax.add_decayed_weights` for an L2 penalty).
+    """
 
     def __init__(self, message: str, paths: Sequence[str]):
         violations = [Violation("host leaf outside region", p, message) for p in paths]
@@ -40,7 +60,12 @@ class HostUseError(ContractError):
 
 
 class ImplicitTransferError(RuntimeError):
-    """An implicit transfer under `ox.no_implicit_transfers()` (or `filter_jit(audit=True)`)."""
+    """An implicit transfer under `ox.no_implicit_transfers()` (or `filter_jit(audit=True)`).
+
+    A `RuntimeError` whose message names the leaf path (with the call's arguments), what
+    it is (a NumPy array, a Python scalar, an array on another device) and the fix: move
+    it once, explicitly, outside the step.
+    """
 
 
 # JAX's words for a primitive whose operands are in different memory spaces

@@ -224,11 +224,23 @@ def predict(load: Load, speeds: Speeds) -> tuple[float, dict[str, PhaseTime]]:
 class StepEstimate:
     """What `ox.estimate` predicts for one step on one target, per device.
 
-    `flops` counts every matmul and convolution FLOP the step runs (recomputation
-    included; `recompute_flops` is that part), `h2d_bytes`/`d2h_bytes` what crosses the
-    host link per step, `device_bytes`/`host_bytes` the compiled memory (None when not
-    compiled), `seconds` the predicted step time, `phases` its breakdown. `print` it for
-    a table; `to_dict()` for JSON.
+    - `name`, `strategy`, `target`: the step's name, the strategy it was planned under
+        and the target's name.
+    - `flops`: every matmul and convolution FLOP the step runs (recomputation
+        included; `recompute_flops` is that part).
+    - `h2d_bytes`, `d2h_bytes`: what crosses the host link per step, each way.
+    - `device_bytes`, `host_bytes`: the compiled memory (None when not compiled).
+    - `seconds`: the predicted step time.
+    - `phases`: its breakdown, `{"forward": ..., "backward": ..., "update": ...}`; each
+        phase's predicted seconds of `compute`, `h2d`, `d2h` and `host` work, the
+        `exposed` copies (the largest copy of each direction, which does not hide behind
+        compute) and the phase's total `seconds`.
+    - `speeds`: the `ox.Speeds` it was priced with; `capacity`: the target's device
+        memory (None: unknown).
+    - `notes`: `(phase, note)` pairs for what the counts leave out (a while loop is
+        counted once).
+
+    `print` it for a table; `to_dict()` for JSON.
     """
 
     name: str
@@ -261,6 +273,7 @@ class StepEstimate:
         return useful / self.seconds / self.speeds.flops if self.seconds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as plain values, with `fits` and `mfu()`, for JSON."""
         return {
             "name": self.name,
             "strategy": self.strategy,

@@ -9,7 +9,18 @@ from ._table import format_bytes, format_table
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One plan `ox.fit` considered: its predicted time and, if compiled, its memory."""
+    """One plan `ox.fit` considered: its predicted time and, if compiled, its memory.
+
+    - `label`: the plan in one line (`remat[h=save] params=device optimizer=pinned_host`).
+    - `strategy`: the `ox.Strategy` that compiles it.
+    - `seconds`: the predicted step time (from an exact trace when compiled, composed
+        from the traces of its parts otherwise).
+    - `moved`: bytes across the host link per step, both ways.
+    - `recompute_flops`: the FLOPs of the recomputation.
+    - `device_bytes`, `host_bytes`: the compiled memory per device (None: not compiled).
+    - `status`: `"best"`, `"fits"`, or why it was not chosen (`"over the device budget
+        by 2.05 GiB"`, `"not compiled: predicted slower than the best plan that fits"`).
+    """
 
     label: str
     strategy: Any  # ox.Strategy
@@ -21,13 +32,23 @@ class Candidate:
     status: str  # "fits", "best", or why not
 
     def as_dict(self) -> dict[str, Any]:
+        """Every field but `strategy` as plain values, for JSON."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "strategy"}
 
 
 @dataclasses.dataclass(frozen=True)
 class FitResult:
-    """What `ox.fit` chose: `.strategy` (give it to `ox.filter_jit`), its `.estimate`,
-    and every candidate with why it was or was not chosen."""
+    """What `ox.fit` chose, and every candidate with why it was or was not chosen.
+
+    - `strategy`: the chosen plan as an `ox.Strategy`: give it to
+        `ox.filter_jit(fn, strategy=...)`.
+    - `estimate`: its `ox.StepEstimate` (compiled: device and host bytes included).
+    - `candidates`: every `ox.Candidate` considered, in the order the search met them.
+    - `traces`, `compiles`, `seconds_searching`: what the search cost.
+    - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails).
+
+    `table()` prints the chosen plan, the notes and the candidates; `to_dict()` for JSON.
+    """
 
     strategy: Any
     estimate: StepEstimate
@@ -38,6 +59,7 @@ class FitResult:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as plain values (the strategy by its name), for JSON."""
         return {
             "strategy": self.strategy.name,
             "estimate": self.estimate.to_dict(),

@@ -63,8 +63,14 @@ def _signature(fn: Any) -> inspect.Signature | None:
 
 
 class FilterJit(eqx.Module):
-    """What `ox.filter_jit` returns. Call it like the function; `.plan`, `.trace`,
-    `.lower` and `.compilation` take the same arguments."""
+    """What `ox.filter_jit` returns: an `eqx.Module` wrapping the function.
+
+    Call it like the function. `.plan(*args)`, `.trace(*args)`, `.lower(*args)` and
+    `.compilation(*args)` take the same arguments (arrays or `jax.ShapeDtypeStruct`s).
+    `.fn` is the wrapped function; `.strategy`, `.donate` and `.mesh` are the options it
+    was made with. `.last_outputs` holds the outputs of the latest donating call and
+    `.compilations` counts the programs compiled so far.
+    """
 
     fn: Any
     strategy: Strategy = eqx.field(static=True)
@@ -285,6 +291,9 @@ def filter_jit(
     memory kind of their traced type, so a host-resident parameter updated with
     `ox.apply_updates` comes back in `pinned_host`. Arguments that are not yet where the
     plan puts them are moved there once, explicitly, on the call.
+
+    **Returns:** an `ox.FilterJit`, called like `fn`; with only options
+    (`@ox.filter_jit(donate="all")`), a decorator that returns one.
     """
     if isinstance(strategy, Plan):
         mesh = strategy.mesh if mesh is None else mesh

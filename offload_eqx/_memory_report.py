@@ -68,6 +68,10 @@ class MemoryReport:
 
     `capacity` is the device memory of one device of the target (`Target.capacity`, None
     when unknown, as for this machine's CPU); `fits` says whether `total` is within it.
+
+    `compiler_log` holds XLA's log lines while compiling, kept off the terminal (for a
+    program over the capacity, "Can't reduce memory use below ..." and the like).
+    `print` a report for a table; `as_dict()` for JSON.
     """
 
     name: str
@@ -87,10 +91,12 @@ class MemoryReport:
 
     @property
     def total(self) -> int:
+        """Device bytes: temp + argument + output - alias."""
         return _total(self.device)
 
     @property
     def host_total(self) -> int:
+        """Host bytes: temp + argument + output - alias in host memory."""
         return _total(self.host)
 
     @property
@@ -111,6 +117,7 @@ class MemoryReport:
         return f"does not fit: needs {needs}, {chip} has {has} ({short} too much)"
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as plain values, for JSON."""
         return {
             "name": self.name,
             "target": self.target,
@@ -179,7 +186,7 @@ def memory_report(
         memories and donation as it would run), or any function or `jax.jit` object
         (compiled as given; see `in_memory`, `out_memory`, `donate_argnums`).
     - `*args`, `**kwargs`: the arguments; array leaves may be `jax.ShapeDtypeStruct`s.
-    - `target`: a name in `offload_eqx._targets.TARGETS` (`"cpu"`, `"h100"`, `"h100-8"`,
+    - `target`: a name in `ox.TARGETS` (`"cpu"`, `"h100"`, `"h100-8"`,
         `"a100"`, `"tpu-v5p"`, `"tpu-v5p-4"`, `"tpu-v5e"`, `"tpu-v6e"`) or a `Target`.
     - `in_memory`: plain functions only: a pytree prefix of `args` of `"device"`,
         `"pinned_host"` or `None` (the leaf's own memory kind; `"device"` for a
@@ -228,6 +235,7 @@ class MemoryComparison:
     reports: Mapping[tuple[str, str], MemoryReport]
 
     def as_dict(self) -> list[dict[str, Any]]:
+        """Each report's `as_dict()`, in the table's order."""
         return [report.as_dict() for report in self.reports.values()]
 
     def __str__(self) -> str:
@@ -277,10 +285,24 @@ def compare_memory(
 ) -> MemoryComparison:
     """Memory reports of several programs side by side, on one target or several.
 
-    `programs` maps a name to `(fn, args)` or `(fn, args, options)`: `args` is the tuple
-    of positional arguments and `options` a dict of `ox.memory_report` keywords
-    (`in_memory`, `out_memory`, `donate_argnums`). For example, the same model under two
-    strategies:
+    **Arguments:**
+
+    - `programs`: maps a name (the table's `program` column) to `(fn, args)` or
+        `(fn, args, options)`: `fn` is what `ox.memory_report` takes (an `ox.filter_jit`
+        step, or any function), `args` the tuple of its positional arguments (arrays or
+        `jax.ShapeDtypeStruct`s) and `options` a dict of `ox.memory_report` keywords
+        (`in_memory`, `out_memory`, `donate_argnums`).
+    - `target`: a target name or `ox.Target` (see `ox.memory_report`), or a sequence of
+        them: every program is compiled for every target. Unknown names fail before any
+        compile.
+
+    **Returns:** an `ox.MemoryComparison`; `print` it for a table with a `vs first` and a
+    `fits` column, and a line under it for every program that does not fit.
+
+    **Raises:** `TypeError` for a program that is not such a tuple; what
+    `ox.memory_report` raises for a program that does not compile.
+
+    For example, the same model under two strategies:
 
     ```python
     ox.compare_memory(

@@ -263,6 +263,9 @@ def apply_updates(model: Any, updates: Any) -> Any:
     with a device update is fetched explicitly, summed on the device and sent back. A
     parameter on the device gets its update fetched if that is host-typed. `None`
     updates leave the leaf unchanged, as in `eqx.apply_updates`.
+
+    **Returns:** the updated model, each parameter in the memory it had. **Raises:** an
+    error naming the leaf paths when `updates` were made for another model.
     """
     _check_updates(model, updates)
     return _apply(model, updates, apply_on_host(model, updates))

@@ -118,6 +118,8 @@ def shard(
     the sharding of an activation (`reshard` under `Explicit` axes,
     `with_sharding_constraint` under `Auto` axes), and `memory="pinned_host"` then moves
     it to host memory explicitly.
+
+    **Returns:** `x` with each array sharded over the mesh by `spec`, in `memory`.
     """
     if not isinstance(spec, PartitionSpec):
         raise TypeError(

@@ -77,6 +77,8 @@ def field(
     `"offload_params"` may move it. The value of `memory` is its placement under the
     model's own annotations (the default strategy). Every array leaf under the field
     (the field may hold a sub-module or a container) gets this placement.
+
+    **Returns:** an `eqx.field` whose metadata carries an `ox.Placement`.
     """
     check_memory(memory, where="ox.field(memory=...)")
     if kwargs.get("static", False):

@@ -58,6 +58,14 @@ class Plan:
     Build one with `ox.plan(tree, strategy=...)` or `step.plan(*args)`; `print(plan)`
     shows a table. Give a plan to `ox.filter_jit(..., strategy=plan)` to compile its
     strategy and mesh.
+
+    - `leaves`: one `ox.LeafPlan` per array leaf, in the order of the trees' leaves.
+    - `strategy`: the `ox.Strategy` it was built under; `mesh`: its mesh (None: one
+        device).
+    - `roots`: the labels of its trees (`("model", "opt_state", "x")` for a step).
+    - `activations`: each declared activation name with its policy under the strategy.
+
+    Plans are immutable and compare equal when they place the same.
     """
 
     def __init__(
@@ -417,7 +425,21 @@ def plan(
     mesh: AnyMesh | None = None,
     name: str = "tree",
 ) -> Plan:
-    """The plan for one pytree (a model, an optimizer state, or a tuple of them)."""
+    """The plan for one pytree (a model, an optimizer state, or a tuple of them).
+
+    **Arguments:**
+
+    - `tree`: the pytree; its array leaves may be arrays or `jax.ShapeDtypeStruct`s.
+        Nothing is traced or moved.
+    - `strategy`: a strategy name (`"hybrid"`, ...) or an `ox.Strategy`; by default the
+        model's own annotations.
+    - `mesh`: the mesh over which leaves with a `spec` are sharded.
+    - `name`: the label of the tree in leaf paths (`name="model"` gives
+        `model.layers.w1`).
+
+    **Returns:** an `ox.Plan`; `print` it for a table of every leaf's memory. Optimizer
+    state in `tree` (`(model, opt_state)`) is sharded like the parameter it mirrors.
+    """
     return Plan([(name, tree)], strategy, mesh)
 
 

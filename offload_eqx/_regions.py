@@ -58,6 +58,8 @@ def name(x: Any, name: str) -> Any:
     A thin layer over `jax.ad_checkpoint.checkpoint_name` that also records, while
     `ox.filter_jit` traces, that the name was produced and whether inside a region: a
     declared name that the program never produces is an error, not a silent no-op.
+
+    **Returns:** `x`, named; its policy is declared with `ox.activations(name=...)`.
     """
     check_name(name, where="ox.name(x, name)")
     record_name(name)
@@ -79,6 +81,8 @@ def fetch(tree: Any) -> Any:
     residual); the gradient of this use goes back to host memory and is added there to
     the gradients the leaf's regions send. Device-resident leaves and non-array leaves
     are returned unchanged. Outside `ox.filter_jit` it moves arrays to device memory.
+
+    **Returns:** `tree` with its host-resident arrays fetched to the device.
     """
     state = current()
 
@@ -205,6 +209,8 @@ def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
     the region (again in the backward pass), so their device copies are never residuals.
     `module` is an `eqx.Module` (or a function of plain arrays): wrap a vmapped block
     with `eqx.filter_vmap(block)`, not `jax.vmap(block)`, which hides its arrays.
+
+    **Returns:** what `module(*args, **kwargs)` returns.
     """
     if not callable(module):
         raise TypeError(
@@ -255,6 +261,8 @@ def scan(
 
     Each layer runs in its own remat region (see `ox.checkpoint`). A name a layer gives
     its output applies at the next layer's boundary, where the carry is saved.
+
+    **Returns:** the carry after the last layer.
     """
     if not callable(stacked):
         raise TypeError(

@@ -172,6 +172,9 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("hybrid", "pinned_host", "pinned_host", "offload"),
     )
 }
+"""The preset strategies by name: `annotated` (the default: the model's own
+annotations), `baseline`, `remat`, `offload_activations`, `offload_params`,
+`offload_optimizer` and `hybrid`. `ox.filter_jit(..., strategy=name)` takes any of them."""
 
 
 def resolve_strategy(strategy: "str | Strategy | None") -> Strategy:

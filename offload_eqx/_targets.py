@@ -271,10 +271,23 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
+"""The compile targets by name: `cpu` (this machine), `h100`, `h100-8`, `a100`,
+`tpu-v5p`, `tpu-v5p-4`, `tpu-v5e`, `tpu-v6e`. Each is an `ox.Target` with its device
+memory (`capacity`) and the `ox.Speeds` that `ox.estimate` prices a step with;
+`ox.register_target` adds one."""
 
 
 def register_target(target: Target) -> Target:
-    """Make `target` available by name to `ox.memory_report` and `ox.compare_memory`."""
+    """Make `target` available by name to `ox.memory_report`, `ox.compare_memory` and
+    the planners (it is added to `ox.TARGETS`, replacing one of the same name).
+
+    ```python
+    ox.register_target(ox.Target("h100-2", "cuda", "1x1x2", "h100.txtpb"))
+    ox.memory_report(step, model, x, target="h100-2")
+    ```
+
+    **Returns:** `target`. **Raises:** `TypeError` for anything but an `ox.Target`.
+    """
     if not isinstance(target, Target):
         raise TypeError(
             f"register_target({target!r}): expected an `offload_eqx.Target`, e.g. "

@@ -29,7 +29,20 @@ _DIRECTIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One transfer of the program, per call of the step."""
+    """One transfer of the program, per call of the step (a row of `ox.audit`'s table).
+
+    - `direction`: `"host-to-device"` or `"device-to-host"`.
+    - `kind`: what moves: `parameter`, `optimizer`, `activation`, `gradient`, `update`,
+        `output`, `input`, `callback` or `intermediate`.
+    - `what`: a leaf path (`model.layers.w1`), an activation name, or a description.
+    - `shape`, `dtype`: of one transfer.
+    - `count`: how many times it happens per call (the product of the trip counts of the
+        enclosing scans); `bytes`: size x itemsize x count.
+    - `phase`: `forward`, `backward`, `update`, or `call` for an argument copied before
+        the program runs.
+    - `where`: the enclosing bodies, e.g. `"scan[10] > remat"`.
+    - `implicit`: not asked for: JAX (or the caller) copies it behind your back.
+    """
 
     direction: Direction
     kind: str  # parameter, optimizer, activation, gradient, output, input, callback,
@@ -67,7 +80,17 @@ class HostComputation:
 @dataclasses.dataclass
 class TransferReport:
     """What `ox.audit` found: the transfers of one call of a step, contract breaches, and
-    the computations placed on the host (`host_computations`)."""
+    the computations placed on the host.
+
+    - `name`, `strategy`: the step's name and the strategy it was traced under.
+    - `transfers`: every `ox.Transfer`, in program order.
+    - `violations`: every `ox.Violation` of the placement contract (`ox.audit` raises
+        them as an `ox.ContractError`).
+    - `host_computations`: every `ox.HostComputation`.
+
+    `print` it for a table. Query it with `select(...)`, `total(...)`, `totals`; pin it in
+    tests with `assert_only(...)` and `assert_no_implicit()`; `to_json()` for a file.
+    """
 
     name: str
     strategy: str
@@ -102,10 +125,12 @@ class TransferReport:
 
     @property
     def totals(self) -> dict[str, int]:
+        """Bytes per call each way: `{"device-to-host": ..., "host-to-device": ...}`."""
         return {d: self.total(d) for d in ("device-to-host", "host-to-device")}
 
     @property
     def implicit(self) -> list[Transfer]:
+        """The transfers nobody asked for (arguments uploaded or copied per call)."""
         return [t for t in self.transfers if t.implicit]
 
     # -- assertions ------------------------------------------------------------------
@@ -220,6 +245,7 @@ class TransferReport:
     __str__ = table
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as plain values: transfers, totals, violations, host computations."""
         return {
             "name": self.name,
             "strategy": self.strategy,
@@ -230,6 +256,7 @@ class TransferReport:
         }
 
     def to_json(self, **kwargs: Any) -> str:
+        """`as_dict()` as JSON text (`json.dumps` keywords pass through; indent 2)."""
         options: dict[str, Any] = {"indent": 2} | kwargs
         return json.dumps(self.as_dict(), **options)
 
