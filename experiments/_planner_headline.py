@@ -31,16 +31,16 @@ GB = 1e9
 ZERO_OFFLOAD = {"tflops": 40.0, "peak_tflops": 125.0, "model": "10B", "device": "V100"}
 
 
-def _setup(kind: str) -> tuple[Any, Any, Any]:
-    """The config, optimizer and argument maker of `_decoder`'s optimizer `kind`: "hybrid"
-    streams the device update by layer, "hybrid_host_update" updates on the host."""
+def _setup() -> tuple[Any, Any, Any]:
+    """The config, the optimizer (streamed by layer on the device, one host computation
+    under a plan with `update="host"`) and the argument maker."""
     config = dataclasses.replace(CONFIGS["13B"], seq=SEQ)
-    model, opt_state = abstract_state(config, kind)
+    model, opt_state = abstract_state(config, "hybrid")
 
     def make_args(batch: int) -> tuple:
         return (model, opt_state, jax.ShapeDtypeStruct((batch, SEQ + 1), jnp.int32))
 
-    return config, optimizer_for(kind, config), make_args
+    return config, optimizer_for("hybrid", config), make_args
 
 
 def _throughput(name: str, strategy: ox.Strategy, estimate: Any, batch: int, setup) -> dict:
@@ -94,22 +94,20 @@ def _preset(name: str, strategy: ox.Strategy, setup: tuple) -> dict:
     return row
 
 
-def headline(presets: dict[str, ox.Strategy], kinds: dict[str, str], max_compiles: int) -> dict:
+def headline(presets: dict[str, ox.Strategy], max_compiles: int) -> dict:
     """`ox.fit` at batch 1 and the largest batch its plan allows; `ox.fit` again at
     larger batches, up to the largest any plan allows (that of the plan keeping least on
     the device); each preset at its own largest batch. The best throughput is a choice of
     batch and plan together: a larger batch amortises the copies of parameters and
-    state, but leaves less device memory for saved activations. `kinds` names each
-    preset's optimizer (`_setup`); `ox.fit` searches with the layer-streamed one."""
-    setups = {kind: _setup(kind) for kind in {"hybrid", *kinds.values()}}
-    setup = setups["hybrid"]
+    state, but leaves less device memory for saved activations."""
+    setup = _setup()
     config, optimizer, make_args = setup
     step = make_step(optimizer, presets["full_remat"])
     print(f"13B on {TARGET}, sequences of {SEQ} tokens", flush=True)
     first = _fit(step, 1, setup, max_compiles)
     first_batch = _largest_batch(first.strategy, setup)
     frugal = ox.Strategy("frugal", "pinned_host", "pinned_host", "remat", update="host")
-    largest = _largest_batch(frugal, setups["hybrid_host_update"])
+    largest = _largest_batch(frugal, setup)
     assert isinstance(first_batch, int) and isinstance(largest, int), (first_batch, largest)
     print(f"  batch 1's plan fits up to {first_batch}; any plan, up to {largest}", flush=True)
     searches, rows = [], []
@@ -127,7 +125,7 @@ def headline(presets: dict[str, ox.Strategy], kinds: dict[str, str], max_compile
         0, _throughput("ox.fit at batch 1", first.strategy, first_estimate, first_batch, setup)
     )
     for name in ("everything_offloaded", "host_update", "full_remat", "qkv_offloaded"):
-        rows.append(_preset(name, presets[name], setups[kinds.get(name, "hybrid")]))
+        rows.append(_preset(name, presets[name], setup))
     return {
         "config": config.name,
         "seq": SEQ,

@@ -87,9 +87,6 @@ PRESETS = {
         "host_update", "pinned_host", "pinned_host", "remat", names=QKV, update="host"
     ),
 }
-# The optimizer of each preset (`_decoder.optimizer_for`'s strategy names): the update
-# streamed by layer ("hybrid"), unless named here.
-KINDS = {"host_update": "hybrid_host_update"}
 # The TPU blog (Google and Intel, host offloading with JAX on TPU v5p-8): what it measured.
 BLOG = {
     ("13B", "tpu-v5p"): "Llama2-13B, MaxText: qkv_proj_offloaded ~5% faster than full remat",
@@ -222,14 +219,12 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
     """`ox.fit` for one (config, target), the presets beside it, every candidate's point."""
     target = ox.TARGETS[target_name]
     assert target.speeds is not None
-    # The update streamed by layer (`_decoder`'s "hybrid" optimizer), the fastest device
-    # update whatever the state's memory; `host_update` has its own (`KINDS`).
+    # The update streamed by layer (`_decoder`'s "hybrid" optimizer): the fastest device
+    # update whatever the state's memory, and one host computation under a plan with
+    # `update="host"` (`host_update`), so one step serves every plan.
     tokens = jax.ShapeDtypeStruct((BATCH, config.seq + 1), jnp.int32)
-    setups = {
-        kind: (optimizer_for(kind, config), (*abstract_state(config, kind), tokens))
-        for kind in {"hybrid", *KINDS.values()}
-    }
-    optimizer, args = setups["hybrid"]
+    optimizer = optimizer_for("hybrid", config)
+    args = (*abstract_state(config, "hybrid"), tokens)
     progress = Progress(f"{config.name} {target_name}:")
     print(f"  {config.name} on {target_name}: ox.fit (max_compiles={max_compiles})", flush=True)
     try:
@@ -260,14 +255,13 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
 
     rows = []
     for name, preset in PRESETS.items():
-        preset_optimizer, preset_args = setups[KINDS.get(name, "hybrid")]
-        step = make_step(preset_optimizer, preset)
-        estimate = ox.estimate(step, *preset_args, target=target_name, compile=False)
+        step = make_step(optimizer, preset)
+        estimate = ox.estimate(step, *args, target=target_name, compile=False)
         known = compiled.get(_policies(preset))
         if known is not None:
             memory = {"device": known.device_bytes, "host": known.host_bytes, "from": "ox.fit"}
         else:
-            memory = {**_compile(step, preset_args, target_name), "from": "compiled here"}
+            memory = {**_compile(step, args, target_name), "from": "compiled here"}
             print(f"    compiled {name}", flush=True)
         rows.append(_row(name, estimate, memory, config, target))
     if result is not None:
@@ -377,11 +371,7 @@ def _points(
     }
     overhead: dict[str, int] = {}
     known = [(c.strategy, c.device_bytes) for c in candidates if c.device_bytes is not None]
-    known += [  # the presets of the search's optimizer
-        (PRESETS[r["plan"]], r["device"])
-        for r in rows
-        if r["plan"] in PRESETS and r["plan"] not in KINDS
-    ]
+    known += [(PRESETS[r["plan"]], r["device"]) for r in rows if r["plan"] in PRESETS]
     for strategy, device in known:
         if device is not None:
             added = device - device_arguments(strategy) - saved(strategy)
@@ -438,7 +428,7 @@ def run(
             results.append(result)
     top = None
     if with_headline and target_available("h100"):
-        top = headline(PRESETS, KINDS, max(max_compiles, 12))
+        top = headline(PRESETS, max(max_compiles, 12))
     elapsed = time.perf_counter() - started
 
     if results:

@@ -1,0 +1,165 @@
+"""The optimizer update on the host against the update streamed by layer on the device.
+
+Under `hybrid` (parameters and optimizer state in host memory), the same training step
+with three optimizers, compiled for each target without the hardware:
+
+- `layer-streamed device update`: `ox.offload_optimizer(adam, stream="layer")`, one
+  layer's state, gradient and parameter fetched at a time;
+- `host update`: the same optimizer under a plan with `update="host"`: the whole update,
+  and the sum for host-resident parameters, as one host computation (ZeRO-Offload's
+  placement; each layer's gradient is sent to host memory by the backward pass as it is
+  made);
+- `gradients only`: the step without any update, the floor of the backward pass.
+
+`--smoke`: a scanned model of 8 layers of 1024 x 1024 (P = 4 MiB, one layer), adam and
+`clip_by_global_norm` + adam, on h100 and tpu-v5p. `--full` adds the Llama-like 8B
+decoder (`_decoder.py`) at batch 1 x 2048 tokens on h100. XLA:TPU is compiled with
+offload_eqx's refusal of the host update bypassed, to show why it is refused.
+
+Run: `python experiments/host_update.py [--smoke | --full]`.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from _report import RESULTS, format_table, target_available  # noqa: E402
+
+import offload_eqx as ox  # noqa: E402
+from offload_eqx import _host_compute  # noqa: E402
+
+LAYERS, DIM, BATCH = 8, 1024, 256
+P = DIM * DIM * 4
+HOST = ox.Strategy("hybrid_host_update", "pinned_host", "pinned_host", update="host")
+
+
+class Square(eqx.Module):
+    w: jax.Array = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(ox.name(x, "x") @ self.w)
+
+
+class Stack(eqx.Module):
+    layers: Square
+    activations: ox.Activations = ox.activations(x="remat")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def _stack_programs(clip: bool) -> dict:
+    model = eqx.filter_eval_shape(lambda: Stack(Square(jnp.zeros((LAYERS, DIM, DIM)))))
+    x = jax.ShapeDtypeStruct((BATCH, DIM), jnp.float32)
+    opt = ox.offload_optimizer(
+        optax.adam(1e-3),
+        stream="layer",
+        layers=LAYERS,
+        global_transform=optax.clip_by_global_norm(1.0) if clip else None,
+    )
+    state = eqx.filter_eval_shape(opt.init, model)
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss)(model, x)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    return {
+        "layer-streamed device update": (ox.filter_jit(step, strategy="hybrid"), (model, state, x)),
+        "host update": (ox.filter_jit(step, strategy=HOST), (model, state, x)),
+        "gradients only": (ox.filter_jit(eqx.filter_grad(loss), strategy="hybrid"), (model, x)),
+    }
+
+
+def _decoder_programs() -> dict:
+    from _decoder import CONFIGS, STRATEGIES, abstract_state, make_step, optimizer_for
+
+    config = CONFIGS["8B"]
+    model, state = abstract_state(config, "hybrid")
+    optimizer = optimizer_for("hybrid", config)
+    tokens = jax.ShapeDtypeStruct((1, config.seq + 1), jnp.int32)
+    args = (model, state, tokens)
+    return {
+        "layer-streamed device update": (make_step(optimizer, STRATEGIES["hybrid"]), args),
+        "host update": (make_step(optimizer, HOST), args),
+    }
+
+
+def _measure(workload: str, programs: dict, target: str, unit: float) -> list[dict]:
+    comparison = ox.compare_memory(programs, target=target)
+    rows = []
+    for (name, _), report in comparison.reports.items():
+        rows.append(
+            dict(
+                workload=workload,
+                target=target,
+                program=name,
+                device=report.total,
+                host=report.host_total,
+                unit=unit,
+            )
+        )
+    streamed = rows[0]["device"]
+    for row in rows:
+        row["vs_streamed"] = row["device"] / streamed
+    return rows
+
+
+def run(full: bool = False) -> list[dict]:
+    rows = []
+    # On TPU the host update is refused (`_host_compute.HOST_UPDATE_PROBLEMS`); bypassed
+    # here to measure what it would cost there.
+    refused = dict(_host_compute.HOST_UPDATE_PROBLEMS)
+    _host_compute.HOST_UPDATE_PROBLEMS.clear()
+    try:
+        for target in ("h100", "tpu-v5p"):
+            if not target_available(target):
+                continue
+            for clip in (False, True):
+                name = f"8 x 1024^2, {'clip + adam' if clip else 'adam'}"
+                rows += _measure(name, _stack_programs(clip), target, P)
+        if full and target_available("h100"):
+            rows += _measure("8B decoder, 1 x 2048", _decoder_programs(), "h100", 2**30)
+    finally:
+        _host_compute.HOST_UPDATE_PROBLEMS.update(refused)
+    body = [
+        [
+            r["workload"],
+            r["target"],
+            r["program"],
+            f"{r['device'] / r['unit']:.2f}" + ("P" if r["unit"] == P else " GiB"),
+            f"{r['host'] / r['unit']:.2f}" + ("P" if r["unit"] == P else " GiB"),
+            f"{r['vs_streamed']:.2f}x",
+        ]
+        for r in rows
+    ]
+    header = ["workload", "target", "program", "device", "host", "device vs streamed"]
+    print(format_table(header, body, markdown=True))
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"host_update{'' if full else '_smoke'}.json")
+    with open(path, "w") as file:
+        json.dump(rows, file, indent=1)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="the scanned model, h100 and v5p")
+    size.add_argument("--full", action="store_true", help="and the 8B decoder on h100")
+    run(full=parser.parse_args().full)
+
+
+if __name__ == "__main__":
+    main()
