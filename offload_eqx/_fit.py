@@ -160,8 +160,17 @@ def _price(search: Search, space: _Space) -> tuple[dict[Choice, Load], list[str]
 
 def _load(costs: Any) -> Load | str:
     if isinstance(costs, Exception):
-        return "fails: " + str(costs).split(". ")[0][:200]
+        return "fails: " + _first_sentence(str(costs))
     return load_of(costs)
+
+
+def _first_sentence(text: str, limit: int = 400) -> str:
+    """The error's first sentence, whole (cut at a word, with an ellipsis, only if it is
+    longer than `limit`)."""
+    first = text.split(". ")[0].strip().removesuffix(".")
+    if len(first) <= limit:
+        return first
+    return first[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _delta(costs: Any, base: Load | str) -> Delta | str:

@@ -65,6 +65,10 @@ def test_ample_budget_recomputes_and_offloads_nothing(problem):
     assert result.compiles <= 12
     # The scan's carry is named but never offered: the scan keeps it anyway.
     assert any("'block_input' is the carry" in note for note in result.notes)
+    # A part that cannot be searched is explained by its error's whole first sentence.
+    for note in result.notes:
+        if note.startswith("Not searched"):
+            assert not note.endswith((" and.", " of it.", " the.")), note
     # The update on the host (state in host memory, only gradients and updates moving)
     # is priced like every other placement.
     host = [c for c in result.candidates if c.strategy.update == "host"]
@@ -233,3 +237,13 @@ def test_compiler_crashes_are_listed_and_not_taken_for_no_fit(problem, between, 
     placements = {"params=pinned_host optimizer=pinned_host", "params=pinned_host optimizer=host"}
     assert 2 <= crashes <= 2 * len(placements)
     assert "were not compiled because plans of the same placement crashed" in message
+
+
+def test_an_unsearched_part_is_explained_by_a_whole_sentence():
+    from offload_eqx._fit import _first_sentence
+
+    long = "Activation 'k' is declared 'offload' " + "and more " * 30 + "here. Then a fix."
+    assert _first_sentence("Short one. Second.") == "Short one"
+    cut = _first_sentence(long, limit=100)
+    assert cut.endswith(" ...") and len(cut) <= 104 and "Then" not in cut
+    assert _first_sentence(long) == long.split(". ")[0]
