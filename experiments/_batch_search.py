@@ -9,6 +9,8 @@ host-resident parameters, see the README) so that one strategy does not end the 
 """
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,14 +94,19 @@ def measure(config: Config, target: str, strategy: str, batch: int) -> dict:
 
 
 def largest_batch(
-    config: Config, target: str, strategy: str, max_compiles: int | None = None
+    config: Config,
+    target: str,
+    strategy: str,
+    max_compiles: int | None = None,
+    on_probe: Callable[[dict], Any] | None = None,
 ) -> dict:
     """`ox.max_batch` of the step of `strategy` on `target`, starting at batch 1: the row
     of batch 1's memory, with `search` holding the answer and every compile.
 
     `search["max_batch"]` is the exact answer (it fits, the next batch does not), 0 when
     batch 1 does not fit, None when the search could not finish (`search["stopped"]` says
-    why: the compiler failed, or `max_compiles` was spent).
+    why: the compiler failed, or `max_compiles` was spent). `on_probe` is called after
+    each compile with its probe (`batch`, `total`, `fits`, `seconds`, `report`).
     """
     step, make_args = _step_and_args(config, strategy)
     probes: list[dict] = []
@@ -107,7 +114,13 @@ def largest_batch(
     started = time.perf_counter()
     try:
         best = ox.max_batch(
-            step, make_args, target=target, max_compiles=max_compiles, probes=probes
+            step,
+            make_args,
+            target=target,
+            max_compiles=max_compiles,
+            probes=probes,
+            # `ox.max_batch` appends each probe before it reports progress.
+            progress=None if on_probe is None else lambda _: on_probe(probes[-1]),
         )
     except ValueError:
         best = 0  # batch 1 does not fit (its probe says by how much)

@@ -84,6 +84,7 @@ def run_workload(
     targets: tuple[str, ...],
     unit: int,
     results_dir: str = RESULTS,
+    panel_notes: Callable[[str], str | None] | None = None,
 ) -> dict:
     """Compile each `(tutorial program, offload_eqx program)` pair on each target.
 
@@ -91,7 +92,8 @@ def run_workload(
     analytic lower bound of the device total. Either may be a function of the target name
     (a workload compiled at another size on the CPU). An offload_eqx program whose compile
     raises a `ValueError` (a host computation for XLA:TPU) is a row marked `refused`, its
-    reason printed under the table. Returns the results (also in JSON).
+    reason printed under the table. `panel_notes(target)` is said on that target's panel
+    of the plot. Returns the results (also in JSON).
     """
     unit_name = "MiB" if unit == MiB else "GiB"
     rows = []
@@ -138,7 +140,8 @@ def run_workload(
     result = {"workload": workload, "unit": unit_name, "rows": rows, "table": text.split("\n")}
     with open(os.path.join(results_dir, f"{workload}_offloading.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    _plot(workload, rows, unit, unit_name, os.path.join(results_dir, f"{workload}_offloading.png"))
+    path = os.path.join(results_dir, f"{workload}_offloading.png")
+    _plot(workload, rows, unit, unit_name, path, panel_notes)
     return result
 
 
@@ -204,29 +207,131 @@ def pyplot() -> Any:
     return plt
 
 
-def _plot(workload: str, rows: list[dict], unit: int, unit_name: str, path: str) -> None:
+# What each target's compiler is, for the panel titles.
+_TARGET_TITLES = {
+    "h100": "h100: XLA:GPU, compile-only",
+    "tpu-v5p": "tpu-v5p: XLA:TPU, compile-only",
+    "cpu": "cpu: this machine's XLA:CPU",
+}
+# Said on every CPU panel: its totals include what the other targets keep in host memory.
+CPU_NOTE = (
+    "A CPU has one memory: arrays placed in host memory are counted in this total "
+    "(offloading is only a type here), so a bound that assumes a separate host memory "
+    "need not hold."
+)
+_COLORS = {"tutorial": "tab:blue", "ox": "tab:orange"}
+
+
+def _plot(
+    workload: str,
+    rows: list[dict],
+    unit: int,
+    unit_name: str,
+    path: str,
+    notes: Callable[[str], str | None] | None = None,
+) -> None:
+    """One panel per target: the device total of the tutorial's code and of offload_eqx per
+    program, the analytic bound and the published figure; cells with no program (the
+    tutorial has none) or a refused one say so in text. `notes(target)` adds a note to a
+    panel (the CPU panel always says that a CPU has one memory)."""
     plt = pyplot()
     if plt is None or not rows:
         return
+    import textwrap
+
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     targets = list(dict.fromkeys(r["target"] for r in rows))
-    fig, axes = plt.subplots(1, len(targets), figsize=(5 * len(targets), 4), squeeze=False)
-    for ax, target in zip(axes[0], targets):
+    figure, axes = plt.subplots(
+        1, len(targets), figsize=(5.4 * len(targets), 5.6), squeeze=False, layout="constrained"
+    )
+    for axis, target in zip(axes[0], targets):
         mine = [r for r in rows if r["target"] == target]
-        xs = range(len(mine))
-        tutorial = [(r["tutorial"]["total"] / unit) if r["tutorial"] else 0 for r in mine]
-        ours = [(r["offload_eqx"]["total"] / unit) if r["offload_eqx"] else 0 for r in mine]
-        ax.bar([x - 0.2 for x in xs], tutorial, 0.4, label="tutorial code")
-        ax.bar([x + 0.2 for x in xs], ours, 0.4, label="offload_eqx")
-        for x, r in zip(xs, mine):
+        values = [
+            v
+            for r in mine
+            for v in (
+                r["tutorial"] and r["tutorial"]["total"],
+                r["offload_eqx"] and r["offload_eqx"]["total"],
+                r["bound"],
+                r["published_total"],
+            )
+            if v is not None
+        ]
+        # A panel whose figures are all small (the CPU at a smaller size) in MiB.
+        scale, scale_name = (unit, unit_name)
+        if unit == GiB and max(values, default=0) < GiB / 2:
+            scale, scale_name = MiB, "MiB"
+        top = max(values, default=1) / scale
+        for x, r in enumerate(mine):
+            refused = "refused for\nthis target" if r["refused"] else "-"
+            cells = (
+                ("tutorial", x - 0.2, r["tutorial"], "no tutorial\nprogram"),
+                ("ox", x + 0.2, r["offload_eqx"], refused),
+            )
+            for kind, position, report, missing in cells:
+                if report is None:
+                    axis.text(
+                        position, top * 0.02, missing, rotation=90, ha="center", va="bottom",
+                        fontsize=8, color="tab:red" if r["refused"] and kind == "ox" else "0.4",
+                    )  # fmt: skip
+                    continue
+                value = report["total"] / scale
+                axis.bar(position, value, 0.38, color=_COLORS[kind])
+                # The value inside the bar (above a short one), at the first of half, a
+                # quarter or three quarters of its height clear of the bound and the star.
+                inside = value > 0.12 * top
+                marks = [m / scale for m in (r["bound"], r["published_total"]) if m is not None]
+                height = next(
+                    (
+                        value * f
+                        for f in (0.5, 0.25, 0.75)
+                        if all(abs(value * f - m) > 0.06 * top for m in marks)
+                    ),
+                    value / 2,
+                )
+                axis.text(
+                    position, height if inside else value, f"{value:.2f}", ha="center",
+                    va="center" if inside else "bottom", fontsize=8,
+                    color="white" if inside else "black", fontweight="bold" if inside else None,
+                    zorder=5, bbox={"facecolor": _COLORS[kind] if inside else "white",
+                                    "edgecolor": "none", "pad": 1},
+                )  # fmt: skip
             if r["bound"] is not None:
-                ax.hlines(r["bound"] / unit, x - 0.4, x + 0.4, colors="k", linestyles="dashed")
+                axis.hlines(r["bound"] / scale, x - 0.42, x + 0.42, colors="k", linestyles="--")
             if r["published_total"] is not None:
-                ax.plot([x - 0.2], [r["published_total"] / unit], "r*")
-        ax.set_xticks(list(xs), [r["program"] for r in mine], rotation=20, ha="right", fontsize=7)
-        ax.set_title(target)
-        ax.set_ylabel(f"device total ({unit_name})")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{workload} offloading (dashed: lower bound, star: published)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+                axis.plot(
+                    [x - 0.2], [r["published_total"] / scale], "*", color="red", ms=11, zorder=6
+                )
+        labels = [textwrap.fill(r["program"], 13) for r in mine]
+        axis.set_xticks(range(len(mine)), labels, fontsize=9)
+        axis.tick_params(axis="y", labelsize=9)
+        axis.set_xlim(-0.6, len(mine) - 0.4)
+        axis.set_title(_TARGET_TITLES.get(target, target), fontsize=11)
+        axis.set_ylabel(f"device memory of one step ({scale_name})", fontsize=10)
+        axis.set_xlabel("program", fontsize=10)
+        note = " ".join(
+            n for n in (CPU_NOTE if target == "cpu" else None, notes and notes(target)) if n
+        )
+        # Room above the tallest bar for its value and the note.
+        axis.set_ylim(0, top * (1.5 if note else 1.15))
+        if note:
+            axis.text(
+                0.03, 0.97, textwrap.fill(note, 58), transform=axis.transAxes, va="top",
+                fontsize=8, bbox={"boxstyle": "round", "facecolor": "lightyellow", "alpha": 0.9},
+            )  # fmt: skip
+    handles = [
+        Patch(color=_COLORS["tutorial"], label="the tutorial's hand-written code"),
+        Patch(color=_COLORS["ox"], label="offload_eqx"),
+        Line2D([], [], color="k", ls="--", label="analytic lower bound"),
+        Line2D([], [], color="red", marker="*", ms=11, ls="", label="published (tutorial, GPU)"),
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=10)
+    figure.suptitle(
+        f"{workload} offloading: device memory of one step "
+        "(temp + argument + output - alias; numbers on the bars)",
+        fontsize=12,
+    )
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

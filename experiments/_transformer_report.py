@@ -9,7 +9,6 @@ GB = 1e9 bytes.
 
 from pathlib import Path
 
-import numpy as np
 from _batch_search import GB, capacity
 from _decoder import CONFIGS, STRATEGIES
 from _report import format_table, pyplot
@@ -136,42 +135,115 @@ def loss_table(cpu: dict) -> str:
     return format_table(header, body, markdown=True)
 
 
+def _cell(row: dict | None) -> str | None:
+    """What a memory cell says instead of a bar: why there is no figure (None: a figure)."""
+    if row is None:
+        return "not compiled"
+    if row.get("refused"):
+        return "refused by offload_eqx for this target"
+    if "error" in row:
+        return "does not fit at batch 1" if row.get("out_of_memory") else "compiler crashed"
+    return None
+
+
+def _batch_cell(row: dict | None) -> str | None:
+    """What a largest-batch cell says instead of a bar (None: a bar of `max_batch`)."""
+    if row is None or row.get("refused") or ("error" in row and "search" not in row):
+        return _cell(row)
+    if "search" not in row:
+        return "not searched (batch 1 only)"
+    found = row["search"]["max_batch"]
+    if found == 0:
+        return "0: batch 1 does not fit"
+    return None if found is not None else f"search ended: {_best(row)}"
+
+
 def plot(rows: list[dict], path: Path) -> bool:
-    """Device memory at batch 1 and the largest batch, per strategy, for each
-    (config, target), into `path`; False when there is nothing to plot or no matplotlib."""
+    """Device memory and host memory at batch 1, and the largest batch, per strategy, for
+    each (config, target), into `path`; False when there is nothing to plot or no matplotlib.
+
+    Horizontal bars, one colour per (config, target), one panel per quantity (device and
+    host memory side by side, never stacked); a cell without a figure says why in text
+    (not compiled, not searched, refused, crashed)."""
     plt = pyplot()
     if plt is None or not rows:
         return False
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     groups = sorted(
         {(r["config"], r["target"]) for r in rows}, key=lambda g: (list(CONFIGS).index(g[0]), g[1])
     )
-    names = list(STRATEGIES)
-    width = 0.8 / len(groups)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for i, group in enumerate(groups):
-        by_name = {r["strategy"]: r for r in rows if (r["config"], r["target"]) == group}
-        x = np.arange(len(names)) + (i - (len(groups) - 1) / 2) * width
-        device = [(by_name[n]["total"] or 0) / GB if n in by_name else 0 for n in names]
-        host = [(by_name[n]["host_total"] or 0) / GB if n in by_name else 0 for n in names]
-        best = [
-            (by_name[n].get("search") or {}).get("max_batch") or 0 if n in by_name else 0
-            for n in names
-        ]
-        label = f"{group[0]} {group[1]}"
-        bars = left.bar(x, device, width, label=label)
-        left.bar(
-            x, host, width, bottom=device, color=bars[0].get_facecolor(), alpha=0.3, hatch="//"
+    names = [n for n in STRATEGIES if any(r["strategy"] == n for r in rows)]
+    colors = plt.get_cmap("tab10").colors
+    height = 0.8 / len(groups)
+    panels = [
+        ("device memory at batch 1, GB (1e9 B)", lambda r: r["total"] / GB, _cell),
+        ("host memory at batch 1, GB (1e9 B)", lambda r: r["host_total"] / GB, _cell),
+    ]
+    if any("search" in r for r in rows):  # the largest batch only when a search ran
+        panels.append(
+            (
+                "largest batch that fits one device (sequences of 2048 tokens)",
+                lambda r: r["search"]["max_batch"],
+                _batch_cell,
+            )
         )
-        right.bar(x, best, width, label=label)
-    for axis, title in (
-        (left, "device GB at batch 1 (hatched: host GB)"),
-        (right, "largest batch that fits"),
-    ):
-        axis.set_xticks(np.arange(len(names)), names, rotation=20)
-        axis.set_title(title)
-        axis.legend(fontsize=8)
-    figure.suptitle("Llama-like decoder, full training step (AdamW), bf16, seq 2048")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(5.7 * len(panels), max(3.5, 1.2 + 0.32 * len(names) * max(len(groups), 2))),
+        sharey=True,
+        layout="constrained",
+    )
+    for axis, (label, value, missing) in zip(axes, panels):
+        cells = []
+        for i, group in enumerate(groups):
+            by_name = {r["strategy"]: r for r in rows if (r["config"], r["target"]) == group}
+            for j, name in enumerate(names):
+                row = by_name.get(name)
+                y = j + (i - (len(groups) - 1) / 2) * height
+                why = missing(row)
+                cells.append((y, None if why else value(row), why, colors[i % len(colors)]))
+        top = max((v for _, v, _, _ in cells if v is not None), default=1) or 1
+        for y, v, why, color in cells:
+            if why is not None:
+                # What was not asked for in grey; what failed in red.
+                quiet = why.startswith("not ")
+                axis.text(
+                    top * 0.01, y, why, va="center", fontsize=8, style="italic",
+                    color="0.5" if quiet else "tab:red",
+                )  # fmt: skip
+                continue
+            axis.barh(y, v, height * 0.92, color=color)
+            text = f"{v:.2f}" if isinstance(v, float) else str(v)
+            axis.text(v + top * 0.01, y, text, va="center", fontsize=8)
+        axis.set_xlim(0, top * 1.18)
+        axis.set_xlabel(label, fontsize=10)
+        axis.tick_params(labelsize=9)
+        axis.grid(axis="x", alpha=0.3)
+    left = axes[0]
+    for target in dict.fromkeys(t for _, t in groups):
+        capacity_gb = capacity(target) / GB
+        left.axvline(capacity_gb, color="k", ls="--", lw=1)
+        left.text(
+            capacity_gb, (len(names) - 1) / 2, f"{target} capacity: {capacity_gb:.0f} GB ",
+            rotation=90, ha="right", va="center", fontsize=8,
+        )  # fmt: skip
+    left.set_xlim(0, max(left.get_xlim()[1], 1.12 * max(capacity(t) for _, t in groups) / GB))
+    left.set_yticks(range(len(names)), names, fontsize=10)
+    left.set_ylabel("strategy", fontsize=10)
+    left.set_ylim(len(names) - 0.5, -0.5)  # the first strategy on top
+    handles = [
+        Patch(color=colors[i % len(colors)], label=f"{c} on {t}") for i, (c, t) in enumerate(groups)
+    ]
+    handles.append(Line2D([], [], color="k", ls="--", label="device capacity (one chip)"))
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=10)
+    figure.suptitle(
+        "Llama-like decoder, full training step (AdamW), bf16, seq 2048: one step compiled "
+        "per strategy (numbers at the bar ends)",
+        fontsize=12,
+    )
+    figure.savefig(path, dpi=110)
     plt.close(figure)
     return True

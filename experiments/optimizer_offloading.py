@@ -320,8 +320,19 @@ def run(targets=DEFAULT_TARGETS, dim=7168, cpu_dim=2048, results_dir=RESULTS):
 
     unit = GiB if dim >= 4096 else MiB
     print(f"DIM {dim} on {[t for t in targets if t != 'cpu']}, DIM {cpu_dim} on cpu")
+
+    def note(target):
+        compiled = "compile-only, nothing allocated" if target != "cpu" else "this machine"
+        return f"DIM {size(target)} ({compiled})."
+
     return run_workload(
-        "optimizer", pairs, lambda target: bounds(size(target)), tuple(targets), unit, results_dir
+        "optimizer",
+        pairs,
+        lambda target: bounds(size(target)),
+        tuple(targets),
+        unit,
+        results_dir,
+        panel_notes=note,
     )
 
 
