@@ -5,11 +5,12 @@ parameter an optimizer-state leaf mirrors (whose sharding it takes).
 """
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._placement import Memory, Placement, Role
 from ._strategy import Strategy
@@ -101,3 +102,38 @@ def mirrored(keys: tuple, shape: tuple, suffixes: dict[tuple, int | None], leave
             if index is not None and leaves[index]["shape"] == shape:
                 return index
     return None
+
+
+def mirror_states(
+    entries: list[dict[str, Any]],
+    placements: Mapping[str, Placement | None],
+    strategy: Strategy,
+    on_mesh: bool,
+    sharding_of: Callable[[dict[str, Any]], Any],
+) -> list[Any]:
+    """The sharding of every leaf entry, parameters first: an optimizer-state leaf takes
+    the spec of the parameter it mirrors (recorded in `entry["mirrors"]`), and, under
+    leaf patterns, the memory a pattern gives that parameter's path too."""
+    params = parameter_suffixes(
+        {e["keys"]: i for i, e in enumerate(entries) if e["role"] != "optimizer"}
+    )
+    shardings: list[Any] = [None] * len(entries)
+    order = sorted(range(len(entries)), key=lambda i: entries[i]["role"] == "optimizer")
+    for i in order:
+        entry = entries[i]
+        mirror = None
+        if entry["role"] == "optimizer":
+            mirror = mirrored(entry["keys"], entry["shape"], params, entries)
+        if mirror is not None:
+            entry["mirrors"] = entries[mirror]["path"]
+            if not isinstance(strategy.optimizer, str):  # leaf patterns: see either path
+                placement = placements.get(entry["path"])
+                ndim = len(entry["shape"])
+                entry["memory"] = effective_memory(
+                    placement, ndim, strategy, entry["path"], entry["mirrors"]
+                )
+            like = shardings[mirror]
+            if isinstance(like, NamedSharding) and on_mesh:
+                entry["spec"] = like.spec
+        shardings[i] = sharding_of(entry)
+    return shardings

@@ -21,13 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._activations import LayerSplit, Policy, policies_of
-from ._leaf_plan import (
-    LeafPlan,
-    current_sharding,
-    effective_memory,
-    mirrored,
-    parameter_suffixes,
-)
+from ._leaf_plan import LeafPlan, current_sharding, effective_memory, mirror_states
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
 from ._plan_print import format_plan
@@ -117,31 +111,9 @@ class Plan:
                 )
             self._structure.append((treedef, tuple(indices)))
 
-        # Parameters first: optimizer state is sharded like the parameter it mirrors.
-        params = parameter_suffixes(
-            {e["keys"]: i for i, e in enumerate(entries) if e["role"] != "optimizer"}
+        shardings = mirror_states(
+            entries, found.placements, strategy, self.mesh is not None, self._sharding
         )
-        shardings: list[Any] = [None] * len(entries)
-        order = sorted(range(len(entries)), key=lambda i: entries[i]["role"] == "optimizer")
-        for i in order:
-            entry = entries[i]
-            mirror = None
-            if entry["role"] == "optimizer":
-                mirror = mirrored(entry["keys"], entry["shape"], params, entries)
-                if mirror is not None:
-                    entry["mirrors"] = entries[mirror]["path"]
-                    if not isinstance(strategy.optimizer, str):  # leaf patterns: see either
-                        entry["memory"] = effective_memory(
-                            found.placements.get(entry["path"]),
-                            len(entry["shape"]),
-                            strategy,
-                            entry["path"],
-                            entry["mirrors"],
-                        )
-                    like = shardings[mirror]
-                    if isinstance(like, NamedSharding) and self.mesh is not None:
-                        entry["spec"] = like.spec
-            shardings[i] = self._sharding(entry)
         self.leaves: tuple[LeafPlan, ...] = tuple(
             LeafPlan(**{k: v for k, v in e.items() if k != "current"}, sharding=s)
             for e, s in zip(entries, shardings)
