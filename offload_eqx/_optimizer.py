@@ -230,8 +230,11 @@ def update_and_apply(
     Works for any optax transformation. When `opt` is a streamed `ox.offload_optimizer`
     (`stream="leaf"` or `"layer"`), the updates are applied inside its per-leaf
     (per-layer) loop, so host-resident parameters are fetched one leaf (layer) at a time
-    and never whole. Wrapped in another transformation (`optax.chain(opt, ...)`), it falls
-    back to `update` then `ox.apply_updates`, with the same result.
+    and never whole. When the update runs on the host (`update_on="host"`, or a plan with
+    `update="host"`), the update and the sum for host-resident parameters are one host
+    computation, so their updates never pass through device memory. Wrapped in another
+    transformation (`optax.chain(opt, ...)`), it falls back to `update` then
+    `ox.apply_updates`, with the same result.
     """
     _check_transformation(opt, where="ox.update_and_apply's `opt`")
     if isinstance(opt.update, StreamedUpdate):

@@ -80,7 +80,9 @@ def apply_on_host(params: Any, updates: Any) -> Any:
 class HostUpdate:
     """The `update` of a whole-state `ox.offload_optimizer`: on the host or on the device,
     as `where(state)` says (the plan in force, else the state's declaration);
-    `device_update` is the device path."""
+    `device_update` is the device path. A streamed optimizer under a plan with
+    `update="host"` uses it too (`streamed=True`, `inner` its whole-leaves form), and
+    `ox.update_and_apply` calls `update_and_apply` (update and sum in one computation)."""
 
     def __init__(
         self,
