@@ -472,19 +472,6 @@ def test_two_processes_match_one_process(tmp_path):
 
 
 @on_eight_devices
-def test_readme_mesh_example_runs_as_written():
-    import re
-
-    readme = (HERE.parent / "README.md").read_text()
-    (example,) = [
-        block
-        for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
-        if block.startswith("# A mesh:")
-    ]
-    exec(compile(example, "README.md", "exec"), {})
-
-
-@on_eight_devices
 def test_arguments_on_two_devices_are_named_by_path():
     """JAX said `argument dynamic[0] of make_flat.<locals>.flat`; the error names the
     leaf, its device and the fix (issue 17, item 7)."""
