@@ -1,10 +1,14 @@
-"""One compiled entry of `ox.filter_jit`: a flat function of the array leaves, compiled
-with the plan's shardings and donation.
+"""One compiled entry of `ox.filter_jit`: the user's function traced once into a program
+of its array leaves, compiled with the plan's shardings and donation.
 
-The function the user wrote takes pytrees; the entry's `flat` takes the array leaves in
-plan order and rebuilds the call around the static leaves of the cache key. Tracing
-installs the trace state (the plan, for the regions and `ox.name`), and checks afterwards
-that every declared name was produced.
+The function the user wrote takes pytrees; `make_flat` makes it a function of the array
+leaves in plan order that rebuilds the call around the static leaves of the cache key,
+traces it under the plan (the regions and `ox.name` read it) and checks that every
+declared name was produced. That function is traced once per entry: the program that is
+compiled and run evaluates the traced jaxpr, with the outputs the step creates moved to
+the memory their annotations give them, so the output types, donation and shardings
+are decided from one trace (as `eqx.filter_jit` traces once), and the user's Python runs
+once per compilation.
 """
 
 import dataclasses
@@ -12,21 +16,47 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend as jex
 import numpy as np
-from jax.core import Tracer
+from jax.core import Tracer, eval_jaxpr
 
 from ._errors import is_host_use_error
 from ._host_compute import check_host_compute, on_host_if_cheap
 from ._host_use import locate_host_use
 from ._memory_space import is_host_aval, is_host_typed, to_device, to_host
-from ._mesh import typed
+from ._mesh import put, same_place, traced_type
 from ._plan import LeafPlan, Plan
 from ._plan_walk import format_keys, is_array_leaf
+from ._runtime_errors import checks_at_run_time
 from ._trace_state import tracing
 
 # A host-resident output is built on the host when what it reads of the device is at
 # most this many bytes (a PRNG key, a shape): the model never exists on the device.
 HOST_BUILD_LIMIT = 2**20
+
+
+class NewArgumentTypes(Exception):
+    """A compiled entry's program is traced again for other shapes, dtypes or weak types
+    than its own: `ox.filter_jit` compiles (and validates) a new entry for them."""
+
+
+class Misplaced(Exception):
+    """A compiled entry's program is traced again for an argument in another memory than
+    the plan's (a `pinned_host` array where the plan keeps the leaf on the device, and
+    jit was left to place it): `ox.filter_jit` moves it where the plan says."""
+
+
+def types_of(dynamic: Sequence[Any]) -> tuple:
+    """The shape, dtype and weak type of each array leaf, as `jax.jit` converts it: a
+    NumPy float64 array is traced as float32 unless x64 is on, as in `eqx.filter_jit`."""
+    return tuple(
+        (
+            tuple(np.shape(x)),
+            jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True),
+            bool(getattr(x, "weak_type", False)),
+        )
+        for x in dynamic
+    )
 
 
 def make_flat(
@@ -37,12 +67,11 @@ def make_flat(
     statics: tuple,
     out_cell: list,
     check: bool = True,
-    placing: tuple | None = None,
 ) -> Callable[..., list]:
-    """The function of the array leaves: rebuild the arguments, call under `plan`, and
-    put each output in the memory `placing` gives it (None: as traced)."""
+    """The user's function of the array leaves: rebuild the arguments, call under `plan`,
+    check the names, and return the array outputs (their structure goes in `out_cell`)."""
 
-    def outputs(*dynamic) -> tuple[Any, list]:
+    def flat(*dynamic):
         dynamic_iter, static_iter = iter(dynamic), iter(statics)
         leaves = [next(dynamic_iter) if m else next(static_iter) for m in mask]
         with tracing(plan, dynamic) as state:
@@ -54,18 +83,9 @@ def make_flat(
             tuple(x for x, m in zip(out_leaves, out_mask) if not m),
             out_mask,
         ]
-        return state, [x for x, m in zip(out_leaves, out_mask) if m]
-
-    def flat(*dynamic):
-        if tuple((tuple(x.shape), x.dtype) for x in dynamic) != plan.types:
-            raise NewArgumentTypes()
-        state, outs = outputs(*dynamic)
         if check:
             plan.check_names(state.inside_regions, state.outside_regions, state.regions)
-        if placing is not None:
-            flatten = plan.mesh is None  # on a mesh, a reshape could reshard
-            outs = _placed(outs, placing, lambda *d: outputs(*d)[1], dynamic, flatten)
-        return outs
+        return [x for x, m in zip(out_leaves, out_mask) if m]
 
     return flat
 
@@ -97,9 +117,45 @@ def _placed(outs: list, memories: tuple, recompute: Callable, dynamic, flatten: 
     return outs
 
 
-class NewArgumentTypes(Exception):
-    """A compiled entry's program is traced again for other shapes or dtypes than its
-    plan's: `ox.filter_jit` compiles (and validates) a new entry for them."""
+def _placing(fn: Callable[..., list], memories: tuple | None, flatten: bool) -> Callable:
+    """`fn` with its outputs placed in `memories` (None: as traced)."""
+    if memories is None:
+        return fn
+
+    def placed(*dynamic):
+        return _placed(fn(*dynamic), memories, fn, dynamic, flatten)
+
+    return placed
+
+
+def _check_types(dynamic: Sequence[Any], in_avals: Sequence[Any]) -> None:
+    """Raise `NewArgumentTypes` (or `Misplaced`) when jit traces the program again for
+    arguments of other types than the jaxpr's (or in another memory)."""
+    for x, aval in zip(dynamic, in_avals):
+        got = jax.typeof(x)
+        if (got.shape, got.dtype, got.weak_type) != (aval.shape, aval.dtype, aval.weak_type):
+            raise NewArgumentTypes()
+    for x, aval in zip(dynamic, in_avals):
+        if is_host_aval(jax.typeof(x)) != is_host_aval(aval):
+            raise Misplaced()
+
+
+def program_of(closed: Any, memories: tuple | None, flatten: bool, name: str) -> Callable:
+    """The program an entry compiles: the traced jaxpr `closed` evaluated on the array
+    leaves, with its outputs placed in `memories`. Named like the user's function, so
+    that the compiled module is `jit_<name>`."""
+
+    def run(*dynamic):
+        return eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
+
+    placed = _placing(run, memories, flatten)
+
+    def program(*dynamic):
+        _check_types(dynamic, closed.in_avals)
+        return placed(*dynamic)
+
+    program.__name__ = program.__qualname__ = name
+    return program
 
 
 @dataclasses.dataclass
@@ -109,30 +165,43 @@ class Compilation:
     or to walk its program (`ox.audit`)."""
 
     jitted: Any  # jax.jit(flat, in_shardings, out_shardings, donate_argnums)
-    flat: Callable[..., list]  # array leaves in, array leaves out
+    flat: Callable[..., list]  # array leaves in, array leaves out (the program)
     plan: Plan  # plan.leaves[i] describes argument i of `flat`
-    in_shardings: tuple
+    types: tuple  # the arguments' shapes, dtypes and weak types (`types_of`)
+    in_shardings: tuple  # each argument's planned sharding (where it is moved if not there)
     out_avals: tuple  # traced output types (memory space included)
     out_shardings: tuple
     donate_argnums: tuple[int, ...]
-    # [out_treedef, out_static, out_mask], written by each trace of the function.
+    # [out_treedef, out_static, out_mask], from the trace of the function.
     out_cell: list
-    remake: Callable[..., Callable[..., list]]  # `flat` under another plan
-    # The program traced when the entry was made (a ClosedJaxpr): the audit walks it
-    # rather than tracing again.
+    remake: Callable[..., Callable[..., list]]  # the user's function under another plan
+    # The program (a ClosedJaxpr): the audit walks it rather than tracing again.
     jaxpr: Any = None
+    # Whether the program can raise at run time (`eqx.error_if`): its calls then wait for
+    # it to finish, so that the error is raised by the call, as `eqx.filter_jit` does.
+    checks: bool = False
+    key: Any = None  # the cache key it is held under (structure and static leaves)
+    donate: str = "none"  # the wrapper's option (its warnings at the compiling call)
+    first_call: bool = True  # the next call compiles the program
 
-    @property
-    def types(self) -> tuple:
-        """The shapes and dtypes of the arguments this entry was compiled for."""
-        return self.plan.types
+    def moved(self, dynamic: Sequence[Any]) -> list:
+        """The arguments, each not yet in its planned memory (or, over a mesh, sharding)
+        moved there explicitly; NumPy leaves planned in host memory uploaded there."""
+        return [
+            put(x, s)
+            if s is not None
+            and (
+                # jit uploads NumPy leaves itself, except into host memory
+                (isinstance(x, (np.ndarray, np.generic)) and s.memory_kind == "pinned_host")
+                or (isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim))
+            )
+            else x
+            for x, s in zip(dynamic, self.in_shardings)
+        ]
 
     def abstract(self, dynamic: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
         """Abstract arguments typed by their planned memory."""
-        return [
-            jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=typed(s))
-            for leaf, s in zip(dynamic, self.in_shardings)
-        ]
+        return abstract_arguments(self.plan, dynamic)
 
     @property
     def out_memories(self) -> tuple[str, ...]:
@@ -152,8 +221,8 @@ class Compilation:
         return [root + format_keys(path) for (path, i) in paths if out_mask[i]]
 
     def flat_on(self, mesh: Any) -> Callable[..., list]:
-        """`flat` with the plan's mesh replaced by `mesh` (a compile-only target's mesh of
-        the same axes), for `ox.shard` inside the step."""
+        """The user's function with the plan's mesh replaced by `mesh` (a compile-only
+        target's mesh of the same axes), for `ox.shard` inside the step."""
         return self.remake(self.plan.on_mesh(mesh))
 
     def rebuild(self, dynamic_out: Sequence[Any]) -> Any:
@@ -165,13 +234,63 @@ class Compilation:
         return jax.tree_util.tree_unflatten(out_treedef, leaves)
 
 
-def _device_of(leaves: Sequence[Any]) -> Any:
+def abstract_arguments(plan: Plan, dynamic: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+    """The arguments as `ShapeDtypeStruct`s typed by their planned memory, with the dtype
+    and weak type jit gives them."""
+    return [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=traced_type(leaf.sharding), weak_type=weak)
+        for (shape, dtype, weak), leaf in zip(types_of(dynamic), plan.leaves)
+    ]
+
+
+def device_of(leaves: Sequence[Any]) -> Any:
+    """The device of the first single-device array among `leaves` (else the default)."""
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
             devices = leaf.sharding.device_set
             if len(devices) == 1:
                 return next(iter(devices))
     return jax.devices()[0]
+
+
+def places_on_devices(closed: Any) -> bool:
+    """Whether a traced program says where its values go among devices (a
+    `with_sharding_constraint` or `eqx.filter_shard` over several devices, a
+    `jax.device_put` onto a sharding, a `shard_map`): off a mesh, jit then places the
+    device arguments and results, as `jax.jit` does, so that they follow."""
+    for eqn in getattr(closed, "jaxpr", closed).eqns:
+        name = eqn.primitive.name
+        if name == "shard_map":
+            return True
+        if name == "sharding_constraint" and _several_devices(eqn.params.get("sharding")):
+            return True
+        if name == "device_put" and any(
+            isinstance(d, jax.sharding.Sharding) for d in eqn.params.get("devices", ())
+        ):
+            return True
+        if any(places_on_devices(sub) for sub in jex.core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _several_devices(sharding: Any) -> bool:
+    try:
+        return len(sharding.device_set) > 1
+    except Exception:  # a sharding over an abstract mesh: devices not known here
+        return True
+
+
+def _trace(
+    user: Callable[..., list], abstract: list, plan: Plan, caller: str, remake: Callable
+) -> Any:
+    """The one trace of the user's function (a ClosedJaxpr); a host-resident leaf used
+    where JAX cannot use it is reported by path."""
+    try:
+        return jax.jit(user).trace(*abstract).jaxpr
+    except ValueError as error:
+        if not is_host_use_error(error):
+            raise
+        raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
 
 
 def compile_entry(
@@ -184,51 +303,120 @@ def compile_entry(
     donate: str,
     keep_root: int | None,
     caller: str,
+    name: str = "step",
 ) -> Compilation:
-    """Trace `call` on abstract values typed by the plan, place the outputs it creates
-    where their annotations say, then build its `jax.jit`."""
+    """Trace `call` once on abstract values typed by the plan, place the outputs it
+    creates where their annotations say, then build its `jax.jit`."""
     cell: list = []
-    placing: list = [None]  # each output's memory, once the first trace has shown them
-    platform = _device_of(dynamic).platform
+    placing: list = [None]  # each output's memory, once the trace has shown them
+    flatten = plan.mesh is None  # on a mesh, a reshape could reshard
 
     def remake(other: Plan, check: bool = True) -> Callable[..., list]:
-        return make_flat(call, other, treedef, mask, statics, cell, check, placing[0])
+        user = make_flat(call, other, treedef, mask, statics, [], check)
+        return _placing(user, placing[0], flatten)
 
-    flat = remake(plan)
-    in_shardings = tuple(leaf.sharding for leaf in plan.leaves)
-    entry = Compilation(None, flat, plan, in_shardings, (), (), (), cell, remake)
-    # Trace on abstract values typed by the *planned* memory, whatever memory the
+    # Traced on abstract values typed by the *planned* memory, whatever memory the
     # arguments are in now (they are moved before the first call).
-    abstract = entry.abstract(dynamic)
-    try:
-        traced = jax.jit(flat).trace(*abstract)
-    except ValueError as error:
-        if not is_host_use_error(error):
-            raise
-        raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
+    abstract = abstract_arguments(plan, dynamic)
+    closed = _trace(
+        make_flat(call, plan, treedef, mask, statics, cell), abstract, plan, caller, remake
+    )
     out_treedef, out_static, out_mask = cell
-    created = plan.outputs(out_treedef, out_static, out_mask, traced.jaxpr.out_avals)
+    created = plan.outputs(out_treedef, out_static, out_mask, closed.out_avals)
     plan.check_strategy(created)
     memories = tuple(None if leaf is None else leaf.memory for leaf in created)
-    traced_memories = (
-        "pinned_host" if is_host_aval(a) else "device" for a in traced.jaxpr.out_avals
-    )
+    traced_memories = ("pinned_host" if is_host_aval(a) else "device" for a in closed.out_avals)
     if any(m is not None and m != t for m, t in zip(memories, traced_memories)):
         placing[0] = memories
-        entry.flat = flat = remake(plan)
-        traced = jax.jit(flat).trace(*abstract)
-    plan.check_offloads(traced.jaxpr.jaxpr)
-    check_host_compute(traced.jaxpr, platform, f"this machine's {platform!r} device")
-    entry.jaxpr = traced.jaxpr
-    entry.out_avals = tuple(traced.jaxpr.out_avals)
-    entry.out_shardings = plan.output_shardings(
-        out_treedef, out_mask, entry.out_avals, _device_of(dynamic), created
+    program = program_of(closed, placing[0], flatten, name)
+    if placing[0] is not None:
+        closed = jax.jit(program).trace(*abstract).jaxpr
+    plan.check_offloads(closed.jaxpr)
+    platform = device_of(dynamic).platform
+    check_host_compute(closed, platform, f"this machine's {platform!r} device")
+    out_avals = tuple(closed.out_avals)
+    donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root)
+    # Off a mesh, a program that places values on devices itself gets jit's placement
+    # for its device arguments and results (None), as under `jax.jit`.
+    to_jit = plan.mesh is None and places_on_devices(closed)
+    out_shardings = plan.output_shardings(
+        out_treedef, out_mask, out_avals, device_of(dynamic), created, donated, to_jit
     )
-    entry.donate_argnums = plan.donated(donate, out_treedef, out_mask, entry.out_avals, keep_root)
-    entry.jitted = jax.jit(
-        flat,
-        in_shardings=in_shardings,
-        out_shardings=list(entry.out_shardings),
-        donate_argnums=entry.donate_argnums,
+    jitted = jax.jit(
+        program,
+        in_shardings=plan.argument_shardings(to_jit),
+        out_shardings=list(out_shardings),
+        donate_argnums=donated,
     )
-    return entry
+    return Compilation(
+        jitted=jitted,
+        flat=program,
+        plan=plan,
+        types=types_of(dynamic),
+        in_shardings=tuple(leaf.sharding for leaf in plan.leaves),
+        out_avals=out_avals,
+        out_shardings=out_shardings,
+        donate_argnums=donated,
+        out_cell=cell,
+        remake=remake,
+        jaxpr=closed,
+        checks=checks_at_run_time(closed),
+        donate=donate,
+    )
+
+
+def compile_transformed(
+    call: Callable[[Any], Any],
+    plan: Plan,
+    treedef: Any,
+    mask: Sequence[bool],
+    statics: tuple,
+    dynamic: Sequence[Any],
+    caller: str,
+    name: str = "step",
+) -> Compilation:
+    """The entry for a call under `jax.grad` or `jax.vmap` outside any jit (its array
+    leaves are tracers): the function traced once on the tracers' own types, run by a
+    plain `jax.jit` (no shardings, no donation: the transformation owns the values),
+    whose trace JAX keeps, as a nested `eqx.filter_jit` does."""
+    cell: list = []
+    device = jax.devices()[0]
+    abstract = [
+        jax.ShapeDtypeStruct(
+            shape,
+            dtype,
+            weak_type=weak,
+            sharding=traced_type(
+                jax.sharding.SingleDeviceSharding(
+                    device, memory_kind="pinned_host" if is_host_typed(x) else "device"
+                )
+            ),
+        )
+        for (shape, dtype, weak), x in zip(types_of(dynamic), dynamic)
+    ]
+
+    def remake(other: Plan, check: bool = True) -> Callable[..., list]:
+        return make_flat(call, other, treedef, mask, statics, [], check)
+
+    closed = _trace(
+        make_flat(call, plan, treedef, mask, statics, cell), abstract, plan, caller, remake
+    )
+    program = program_of(closed, None, True, name)
+    return Compilation(
+        jitted=jax.jit(program),
+        flat=program,
+        plan=plan,
+        types=transformed_types(dynamic),
+        in_shardings=tuple(leaf.sharding for leaf in plan.leaves),
+        out_avals=tuple(closed.out_avals),
+        out_shardings=(None,) * len(closed.out_avals),
+        donate_argnums=(),
+        out_cell=cell,
+        remake=remake,
+        jaxpr=closed,
+    )
+
+
+def transformed_types(dynamic: Sequence[Any]) -> tuple:
+    """`types_of` and each leaf's memory space (a tracer's type carries it)."""
+    return tuple((*t, is_host_typed(x)) for t, x in zip(types_of(dynamic), dynamic))

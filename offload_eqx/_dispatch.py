@@ -8,6 +8,9 @@ the error names leaf paths. A call that donates its inputs keeps its outputs rea
 until they are returned, even through Ctrl-C.
 """
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -16,12 +19,12 @@ from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
 from jax.core import Tracer
 
 from ._call_errors import call_problem
-from ._compile import NewArgumentTypes
+from ._compile import Misplaced, NewArgumentTypes, types_of
 from ._errors import ImplicitTransferError, is_placement_mismatch
 from ._guard import explain, no_implicit_transfers
 from ._interrupts import hold, release
-from ._mesh import put, same_place
 from ._plan_walk import ARRAY_TYPES
+from ._runtime_errors import equinox_error, quiet_callback_failures
 
 
 def describe(fn: Any) -> str:
@@ -62,6 +65,9 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
                 return _dispatch(self, args, kwargs)
         return _dispatch(self, args, kwargs)
     except (ValueError, RuntimeError) as error:
+        if isinstance(error, eqx.EquinoxRuntimeError):
+            error.__traceback__ = None  # its message holds the stack inside the step
+            raise
         # JAX names arguments by index; say which leaves, when they are the cause.
         caller = f"ox.filter_jit({describe(_get(self, 'fn'))})"
         problem = call_problem(error, self.arguments(*args, **kwargs), caller, _get(self, "donate"))
@@ -70,11 +76,15 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
         raise problem from None
 
 
-def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
+def split(self: Any, args: tuple, kwargs: dict) -> tuple[tuple, list, bool]:
+    """The cache key of a call (structure, which leaves are arrays, the static leaves),
+    its array leaves (arrays, `jax.ShapeDtypeStruct`s or tracers), and whether a leaf is
+    a tracer (a call inside a trace or a transformation)."""
     args, kwargs = bind(_get(self, "signature"), args, kwargs)
     tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dynamic, statics, mask = [], [], []
+    traced = False
     for leaf in leaves:
         kind = _KINDS.get(type(leaf))
         if kind is None:
@@ -86,12 +96,20 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
             statics.append(leaf)
             mask.append(False)
         else:
-            return self._inline(args, kwargs)
+            traced = True
+            dynamic.append(leaf)
+            mask.append(True)
+    return (treedef, tuple(mask), tuple(statics)), dynamic, traced
+
+
+def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
+    key, dynamic, traced = split(self, args, kwargs)
+    if traced:
+        return self._inline(args, kwargs, key, dynamic)
     # The key leaves out shapes and dtypes (reading them costs more than the lookup):
     # a call with new ones makes the entry's program retrace, which refuses them
     # (`NewArgumentTypes`), or jit refuses them; then an entry is compiled for them and
     # the key holds its entries by shapes and dtypes.
-    key = (treedef, tuple(mask), tuple(statics))
     entries = _get(self, "cache").entries
     try:
         entry = entries.get(key)
@@ -102,37 +120,39 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
             "they must be hashable: pass arrays for values that change, or make the object "
             "hashable."
         ) from None
-    if type(entry) is dict:  # several shapes seen under this key
+    if type(entry) is dict:  # several types seen under this key
         entry = entry.get(types_of(dynamic))
     if entry is None:
-        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-        dynamic = _move(dynamic, entry.in_shardings)
+        entry = self._compile_new(key, args, kwargs, dynamic)
+        dynamic = entry.moved(dynamic)
     if not entry.donate_argnums:
-        return _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+        return _execute(self, entry, key, args, kwargs, dynamic)
     if len(set(map(id, dynamic))) < len(dynamic):
-        self._check_distinct(entry, dynamic)
+        dynamic = self._distinct(entry, dynamic)
     # The inputs are donated from here on: the outputs are the only copy of the state.
     cache = _get(self, "cache")
     cache.last_outputs = None
     holding = hold()
     try:
-        cache.last_outputs = _execute(
-            self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic
-        )
+        cache.last_outputs = _execute(self, entry, key, args, kwargs, dynamic)
     finally:
         if holding:
             release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
     return cache.last_outputs
 
 
-def _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Any:
+def _execute(self, entry, key, args, kwargs, dynamic) -> Any:
     """Call the entry's program (moving misplaced arguments, compiling again for new
     types) and rebuild the outputs."""
     try:
-        out = entry.jitted(*dynamic)
-    except NewArgumentTypes:
-        entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-        out = entry.jitted(*_move(dynamic, entry.in_shardings))
+        out = _run(entry, dynamic)
+    except NewArgumentTypes:  # traced again for other types: an entry of its own
+        entry = self._compile_new(key, args, kwargs, dynamic)
+        out = _run(entry, entry.moved(dynamic))
+    except Misplaced:  # an array in another memory than planned, left to jit to place
+        if _get(self, "audit"):
+            _raise_misplaced(entry, dynamic)
+        out = _run(entry, entry.moved(dynamic))
     except jax.errors.JaxRuntimeError as error:
         # A transfer guard (`ox.no_implicit_transfers()`, `jax.transfer_guard`) refused an
         # argument's upload: say which leaf, which only this call knows.
@@ -142,8 +162,8 @@ def _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynami
         raise ImplicitTransferError(message) from None
     except ValueError as e:
         if entry.types != types_of(dynamic):  # refused by jit before any retrace
-            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
-            return entry.rebuild(entry.jitted(*_move(dynamic, entry.in_shardings)))
+            entry = self._compile_new(key, args, kwargs, dynamic)
+            return entry.rebuild(_run(entry, entry.moved(dynamic)))
         if not is_placement_mismatch(e):
             raise
         # Arguments not yet where the plan puts them (a new strategy on a model placed for
@@ -152,12 +172,40 @@ def _execute(self, entry, key, args, kwargs, tree, leaves, treedef, mask, dynami
         # misplaced arguments is an error: it would copy them on every call.
         if _get(self, "audit"):
             _raise_misplaced(entry, dynamic)
-        out = entry.jitted(*_move(dynamic, entry.in_shardings))
+        out = _run(entry, entry.moved(dynamic))
     return entry.rebuild(out)
 
 
-def types_of(dynamic: list) -> tuple:
-    return tuple((tuple(x.shape), x.dtype) for x in dynamic)
+def _run(entry: Any, dynamic: list) -> list:
+    """Call the program; one that can raise at run time (`eqx.error_if`) is waited for,
+    so that its error is raised here, as an `eqx.EquinoxRuntimeError`."""
+    if entry.first_call:
+        entry.first_call = False
+        with _compile_warnings(entry.donate):
+            return _run(entry, dynamic)
+    if not entry.checks:
+        return entry.jitted(*dynamic)
+    with quiet_callback_failures():
+        try:
+            return jax.block_until_ready(entry.jitted(*dynamic))
+        except (jax.errors.JaxRuntimeError, ValueError) as error:
+            raised = equinox_error(error)
+            if raised is None:
+                raise
+            raise raised from None
+
+
+@contextlib.contextmanager
+def _compile_warnings(donate: str) -> Iterator[None]:
+    """The first call compiles, which is when JAX warns about donated buffers the
+    program could not reuse: `donate="all"` and `"all-except-first"` keep it quiet, as
+    in `eqx.filter_jit`; `"warn"` and `"warn-except-first"` let it through."""
+    if donate.startswith("warn"):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
 
 
 def _raise_misplaced(entry: Any, dynamic: list) -> None:
@@ -175,17 +223,6 @@ def _raise_misplaced(entry: Any, dynamic: list) -> None:
         )
 
 
-def _move(dynamic: list, shardings: tuple) -> list:
-    """Explicitly move the arguments whose memory kind (or, over a mesh, whose sharding)
-    differs from the plan's."""
-    return [
-        put(x, s)
-        if s is not None and isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim)
-        else x
-        for x, s in zip(dynamic, shardings)
-    ]
-
-
 class Method(eqx.Module):
     """A bound method of a module, as a pytree of the module's arrays."""
 
@@ -194,6 +231,10 @@ class Method(eqx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(self.module, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self.function
 
     @property
     def bound(self) -> Any:

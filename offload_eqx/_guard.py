@@ -136,7 +136,24 @@ def device_offenders(
 
 
 def _check_arguments(arguments: Sequence[tuple[str, Any]]) -> None:
-    """What the transfer guard cannot see, checked before the call."""
+    """What the transfer guard cannot see, checked before the call: NumPy leaves (jit
+    may upload them straight into their planned memory, which the guard does not see
+    as an upload), arrays on other devices, arrays whose memory disagrees with their
+    type."""
+    numpy_leaves = [
+        described
+        for path, leaf in _flatten(arguments)
+        if isinstance(leaf, (np.ndarray, np.generic))
+        and (described := _describe_leaf(path, leaf)) is not None
+    ]
+    if numpy_leaves:
+        raise ImplicitTransferError(
+            _UPLOAD.format(
+                offenders="; ".join(numpy_leaves),
+                them="it" if len(numpy_leaves) == 1 else "them",
+                fix="`x = jax.device_put(x)`",
+            )
+        )
     offenders, majority = device_offenders(arguments)
     if offenders and majority is not None:
         described = ", ".join(

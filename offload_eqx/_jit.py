@@ -13,26 +13,31 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+from jax._src import core as _core  # private: whether a jaxpr trace encloses the call
+from jax._src.interpreters.partial_eval import DynamicJaxprTrace
 
-from ._compile import Compilation, compile_entry
-from ._dispatch import Method, as_pytree, bind, call, describe, root_of, types_of
+from ._aot import Lowered
+from ._compile import (
+    Compilation,
+    compile_entry,
+    compile_transformed,
+    transformed_types,
+    types_of,
+)
+from ._dispatch import Method, as_pytree, bind, call, describe, root_of, split
 from ._errors import ImplicitTransferError
+from ._jit_cache import Cache, cache_of
 from ._mesh import check_mesh
 from ._plan import Plan
 from ._plan_walk import ARRAY_TYPES, format_keys
 from ._strategy import Strategy, resolve_strategy
 from ._trace_state import current, tracing
 
-Donate = Literal["all", "all-except-first", "none"]
-_DONATE = ("all", "all-except-first", "none")
+Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+_DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
 # A wrapper warns once its cache holds this many compilations (see `_compile_new`).
 CACHE_WARNING = 32
 
-_SAME_BUFFER = (
-    "ox.filter_jit({name}): the same array is passed as `{first}` and `{second}`, and "
-    "donation would hand its buffer to the program twice. Pass a copy for one of them "
-    "(`jnp.copy(x)`), or donate less (`donate='none'` or `'all-except-first'`)."
-)
 _STATIC_RECOMPILE = (
     "ox.filter_jit({name}, audit=True): {leaves} changed since the last call; non-array "
     "leaves are static, so every new value compiles the step again. Pass arrays for "
@@ -43,16 +48,6 @@ _CACHE_GROWS = (
     "(non-array) leaves that differ between them include {leaves}. Every new static value "
     "compiles again and keeps its program in memory: pass arrays for values that change."
 )
-
-
-class _Cache:
-    """The compilations of one wrapper (identity-hashed, so it can be a static field)."""
-
-    def __init__(self):
-        # key -> its entry, or, once several shapes were seen, {shapes and dtypes: entry}
-        self.entries: dict[Any, Any] = {}
-        # The outputs of the latest call that donated its inputs (see `last_outputs`).
-        self.last_outputs: Any = None
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
@@ -79,7 +74,7 @@ class FilterJit(eqx.Module):
     audit: bool = eqx.field(static=True)
     fn_has_arrays: bool = eqx.field(static=True)
     signature: Any = eqx.field(static=True, repr=False)
-    cache: _Cache = eqx.field(static=True, repr=False)
+    cache: Cache = eqx.field(static=True, repr=False)
 
     @property
     def __wrapped__(self):
@@ -95,17 +90,16 @@ class FilterJit(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call(self, args, kwargs)
 
-    def _inline(self, args: tuple, kwargs: dict) -> Any:
-        """Called inside another trace: run inline, like a nested `jax.jit`, under this
-        wrapper's own plan, and check its names; they count for the outer trace too."""
+    def _inline(self, args: tuple, kwargs: dict, key: tuple, dynamic: list) -> Any:
+        """Called with tracers. Under a transformation outside any jit (`jax.grad(step)`,
+        `jax.vmap(step)`), the function is traced once and its program cached, as a
+        nested `eqx.filter_jit` is. Inside another jit, it runs inline under this
+        wrapper's own plan, and its names count for the outer trace too."""
+        if not _inside_jit():
+            return self._transformed(args, kwargs, key, dynamic)
         plan = self.plan(*args, **kwargs)
-        leaves = [
-            x
-            for x in jax.tree_util.tree_leaves(self._tree(args, kwargs))
-            if isinstance(x, ARRAY_TYPES)
-        ]
         outer = current()
-        with tracing(plan, leaves) as state:
+        with tracing(plan, dynamic) as state:
             out = self.fn(*args, **kwargs)
         plan.check_names(state.inside_regions, state.outside_regions, state.regions)
         if outer is not None:
@@ -113,6 +107,32 @@ class FilterJit(eqx.Module):
             outer.outside_regions |= state.outside_regions
             outer.regions += state.regions
         return out
+
+    def _transformed(self, args: tuple, kwargs: dict, key: tuple, dynamic: list) -> Any:
+        held = ("transformed", *key, transformed_types(dynamic))
+        entry = self.cache.entries.get(held)
+        if entry is None:
+            name = describe(self.fn)
+            treedef, mask, statics = key
+            entry = compile_transformed(
+                self._caller(),
+                self.plan(*args, **kwargs),
+                treedef,
+                mask,
+                statics,
+                dynamic,
+                f"ox.filter_jit({name})",
+                name,
+            )
+            self.cache.entries[held] = entry
+        return entry.rebuild(entry.jitted(*dynamic))
+
+    def _caller(self) -> Any:
+        """The call of the function on the rebuilt tree of its arguments."""
+        fn = self.fn
+        if self.fn_has_arrays:
+            return lambda t: t[0](*t[1], **t[2])
+        return lambda t: fn(*t[0], **t[1])
 
     def _tree(self, args: tuple, kwargs: dict) -> tuple:
         return (self.fn, args, kwargs) if self.fn_has_arrays else (args, kwargs)
@@ -140,30 +160,32 @@ class FilterJit(eqx.Module):
         """The plan this function applies to these arguments (nothing is compiled)."""
         return Plan(self.arguments(*args, **kwargs), self.strategy, self.mesh)
 
-    def _compile_new(self, key, args, kwargs, tree, leaves, treedef, mask, dynamic) -> Compilation:
+    def _compile_new(self, key: tuple, args: tuple, kwargs: dict, dynamic: list) -> Compilation:
+        args, kwargs = bind(self.signature, args, kwargs)
         name = describe(self.fn)
-        similar = [k for k in self.cache.entries if k[0] == key[0] and k[1] == key[1] and k != key]
+        entries = self.cache.entries
+        # What this wrapper compiled before (the cache is shared by every wrapper of the
+        # function: another wrapper's configuration is not a change of this one's).
+        mine = self.cache.compiled_by.setdefault(id(self), [])
+        similar = [k for k in mine if k[:2] == key[:2] and k != key]
+        mine.append(key)
         if similar:
             roots = self.arguments(*args, **kwargs)
             changed = _changed_statics(roots, similar[-1][2], key[2])
             if self.audit and changed:
                 raise ImplicitTransferError(_STATIC_RECOMPILE.format(name=name, leaves=changed))
-            if len(self.cache.entries) + 1 == CACHE_WARNING:
+            if len(entries) + 1 == CACHE_WARNING:
                 warnings.warn(
                     _CACHE_GROWS.format(name=name, count=CACHE_WARNING, leaves=changed or "none"),
                     stacklevel=4,
                 )
         plan = self.plan(*args, **kwargs)
         keep_root = None
-        if self.donate == "all-except-first" and args:
+        if self.donate.endswith("except-first") and args:
             keep_root = 1 if self.fn_has_arrays else 0
-        fn = self.fn
-        call = (
-            (lambda t: t[0](*t[1], **t[2])) if self.fn_has_arrays else (lambda t: fn(*t[0], **t[1]))
-        )
-        statics = tuple(leaf for leaf, m in zip(leaves, mask) if not m)
+        treedef, mask, statics = key
         entry = compile_entry(
-            call,
+            self._caller(),
             plan,
             treedef,
             mask,
@@ -172,8 +194,9 @@ class FilterJit(eqx.Module):
             self.donate,
             keep_root,
             f"ox.filter_jit({name})",
+            name,
         )
-        entries = self.cache.entries
+        entry.key = key
         held = entries.get(key)
         if held is None:
             entries[key] = entry
@@ -200,35 +223,29 @@ class FilterJit(eqx.Module):
         entries = self.cache.entries.values()
         return sum(len(e) if type(e) is dict else 1 for e in entries)
 
-    def _check_distinct(self, entry: Compilation, dynamic: list) -> None:
+    def _distinct(self, entry: Compilation, dynamic: list) -> list:
+        """The arguments with every repeated array that is donated where it occurs again
+        replaced by a copy: XLA takes each donated buffer once, and the same array can
+        sit in two arguments (`eqx.nn.State(model)` shares the model's initial state
+        arrays; `step(model, model)`)."""
         seen: dict[int, int] = {}
         donated = set(entry.donate_argnums)
+        distinct = list(dynamic)
         for i, x in enumerate(dynamic):
             j = seen.setdefault(id(x), i)
-            if j != i and (i in donated or j in donated):
-                raise ValueError(
-                    _SAME_BUFFER.format(
-                        name=describe(self.fn),
-                        first=entry.plan.leaves[j].path,
-                        second=entry.plan.leaves[i].path,
-                    )
-                )
+            if j != i and (i in donated or j in donated) and isinstance(x, jax.Array):
+                distinct[i] = jax.device_put(x, x.sharding, may_alias=False)
+        return distinct
 
     def _entry_for(self, args: tuple, kwargs: dict) -> tuple[Compilation, list]:
-        args, kwargs = bind(self.signature, args, kwargs)
-        tree = self._tree(args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
-        dynamic = [x for x, m in zip(leaves, mask) if m]
-        statics = tuple(x for x, m in zip(leaves, mask) if not m)
-        key = (treedef, mask, statics)
+        key, dynamic, _ = split(self, args, kwargs)
         entry = self.cache.entries.get(key)
         if type(entry) is dict:
             entry = entry.get(types_of(dynamic))
         elif entry is not None and entry.types != types_of(dynamic):
             entry = None
         if entry is None:
-            entry = self._compile_new(key, args, kwargs, tree, leaves, treedef, mask, dynamic)
+            entry = self._compile_new(key, args, kwargs, dynamic)
         return entry, dynamic
 
     def compilation(self, *args: Any, **kwargs: Any) -> tuple[Compilation, list]:
@@ -241,9 +258,29 @@ class FilterJit(eqx.Module):
         entry, dynamic = self._entry_for(args, kwargs)
         return entry.jitted.trace(*entry.abstract(dynamic))
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like `jax.jit`."""
-        return self.trace(*args, **kwargs).lower()
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for these arguments (arrays or `jax.ShapeDtypeStruct`s), like
+        `eqx.filter_jit`: `.compile()` gives a program called like this step
+        (`step.lower(model, x).compile()(model, x)`)."""
+        entry, _ = self._entry_for(args, kwargs)
+        caller = f"ox.filter_jit({describe(self.fn)})"
+
+        def split_call(args: tuple, kwargs: dict) -> tuple:
+            key, dynamic, _ = split(self, args, kwargs)
+            return key, types_of(dynamic), dynamic
+
+        return Lowered(self.trace(*args, **kwargs).lower(), entry, split_call, caller)
+
+
+def _inside_jit() -> bool:
+    """Whether a jaxpr trace (a `jax.jit`, a scan body, ...) encloses the current call,
+    under any transformations of it; False under `jax.grad`/`jax.vmap` run eagerly."""
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> str:
@@ -267,6 +304,7 @@ def filter_jit(
     donate: str = "none",
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     audit: Any = False,  # checked below, with a message that says what was meant
+    **jit_options: Any,  # refused below, with what is accepted
 ) -> Any:
     """`eqx.filter_jit` that compiles the placement plan of its arguments.
 
@@ -279,22 +317,40 @@ def filter_jit(
     - `strategy`: `"annotated"` (default: the model's own annotations), `"baseline"`,
         `"remat"`, `"offload_activations"`, `"offload_params"`, `"offload_optimizer"`,
         `"hybrid"`, an `ox.Strategy`, or an `ox.Plan` (its strategy and mesh).
-    - `donate`: `"all"`, `"all-except-first"` or `"none"`, decided per array leaf; the
-        first argument is the first one of the function's signature, however passed.
+    - `donate`: `"all"`, `"all-except-first"`, `"warn"`, `"warn-except-first"` or
+        `"none"`, as in `eqx.filter_jit`, decided per array leaf: a leaf is donated when
+        the step returns its new value in the same memory (see the docs' "The compiled
+        step"). The first argument is the first one of the function's signature, however
+        passed. `"warn"` variants donate the same and let JAX's warning about donated
+        buffers the program could not reuse through.
     - `mesh`: the mesh for leaves declared with a partition spec.
     - `audit`: run every call under `ox.no_implicit_transfers()`: an argument that would
         be copied implicitly (a numpy array, a Python scalar, an array on another device)
         is an error naming its leaf path, and so is a static leaf whose new value would
         compile the step again.
+    - `**jit_options`: other `jax.jit` options are refused (the plan decides shardings
+        and donation).
 
-    Arguments are compiled with explicit input shardings from the plan; outputs get the
-    memory kind of their traced type, so a host-resident parameter updated with
-    `ox.apply_updates` comes back in `pinned_host`. Arguments that are not yet where the
-    plan puts them are moved there once, explicitly, on the call.
+    Host-resident arguments are compiled with explicit shardings from the plan (on a mesh,
+    every argument); a device argument off a mesh is placed by jit as `jax.jit` places
+    it. Outputs get the memory kind of their traced type, so a host-resident parameter
+    updated with `ox.apply_updates` comes back in `pinned_host`. Arguments that are not
+    yet where the plan puts them are moved there once, explicitly, on the call. The
+    compile cache is the function's, as in `eqx.filter_jit` (see `ox.clear_caches`), and
+    the function is traced once per compilation; a program that contains an
+    `eqx.error_if` raises its `eqx.EquinoxRuntimeError` from the call.
 
     **Returns:** an `ox.FilterJit`, called like `fn`; with only options
     (`@ox.filter_jit(donate="all")`), a decorator that returns one.
     """
+    if jit_options:
+        raise TypeError(
+            f"ox.filter_jit was given {', '.join(map(repr, jit_options))}, which it does "
+            "not take: it accepts `strategy`, `donate`, `mesh` and `audit`. The plan decides "
+            "shardings and donation (`in_shardings`, `out_shardings`, `donate_argnums` "
+            "have no place here); for other `jax.jit` options use `jax.jit` on a function "
+            "of arrays."
+        )
     if isinstance(strategy, Plan):
         mesh = strategy.mesh if mesh is None else mesh
         strategy = strategy.strategy
@@ -329,6 +385,6 @@ def filter_jit(
         audit=audit,
         fn_has_arrays=has_arrays,
         signature=signature,
-        cache=_Cache(),
+        cache=cache_of(fn, has_arrays, (strategy, donate, mesh, audit)),
     )
     return eqx.module_update_wrapper(wrapper)

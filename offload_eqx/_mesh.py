@@ -165,6 +165,33 @@ def check_spec(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: AnyMe
         raise ValueError(problem)
 
 
+def leaf_sharding(entry: dict[str, Any], mesh: AnyMesh | None, specs_need_a_mesh: bool) -> Any:
+    """A leaf's planned sharding (`entry` holds its `path`, `shape`, `role`, planned
+    `memory`, declared `spec` and `current` sharding): over the mesh a `NamedSharding`
+    with its spec (a leaf without one keeps the spec it has on this mesh, or is
+    replicated; an optimizer-state leaf the mirrored spec does not fit is replicated);
+    off a mesh its current sharding in its planned memory."""
+    memory, current, spec = entry["memory"], entry["current"], entry["spec"]
+    if mesh is not None:
+        memory = memory or getattr(current, "memory_kind", None) or "device"
+        if spec is None:
+            on_mesh = isinstance(current, NamedSharding) and current.mesh == mesh
+            spec = current.spec if on_mesh else PartitionSpec()
+        elif entry["role"] == "optimizer":
+            if spec_problem(entry["path"], entry["shape"], spec, mesh) is not None:
+                spec = PartitionSpec()
+        else:
+            check_spec(entry["path"], entry["shape"], spec, mesh)
+        return NamedSharding(mesh, spec, memory_kind=memory)
+    if spec is not None and entry["role"] != "optimizer" and specs_need_a_mesh:
+        raise ValueError(_NO_MESH.format(path=entry["path"], spec=spec))
+    if current is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory or "device")
+    if memory is None or current.memory_kind == memory:
+        return current
+    return current.with_memory_kind(memory)
+
+
 def output_sharding(aval: Any, mesh: AnyMesh, memory: str) -> NamedSharding | None:
     """The sharding of one output of a program over `mesh`.
 
@@ -205,6 +232,21 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 @functools.cache
 def _single_device_mesh(device: Any) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array([device]), ("_device",))
+
+
+_EMPTY_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def traced_type(sharding: Any) -> Any:
+    """The sharding that types a `jax.ShapeDtypeStruct` exactly as jit types a concrete
+    array of `sharding`: off a mesh, a sharding over the empty abstract mesh in that
+    memory (`f32<host>[...]`), so that a program traced on abstract values and one
+    traced on the arrays themselves have the same types; over a mesh, `sharding`."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.sharding.NamedSharding(
+            _EMPTY_MESH, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+        )
+    return sharding
 
 
 def typed(sharding: Any) -> Any:

@@ -132,7 +132,7 @@ def _whole_state(
         def init_on_device(params):
             return wrapper(inner.init(on_device(params)))
 
-        return init_in_place(init_on_device, trainable(params), memory, update_on)
+        return init_in_place(init_on_device, trainable(params))
 
     def update_fn(updates, state, params=None, **extra_args):
         check_ours(state, streamed=False, name=NAME)

@@ -13,7 +13,8 @@ from jax.core import Tracer
 from ._host_compute import on_host_if_cheap
 from ._memory_space import is_host_typed, to_device, to_host
 from ._placement import Placement
-from ._plan import state_shardings
+from ._plan import state_plan
+from ._plan_walk import is_array_leaf
 from ._trace_state import active_plan
 
 NAME = "ox.offload_optimizer"
@@ -115,9 +116,7 @@ def call_update(
 HOST_INIT_LIMIT = 2**20
 
 
-def init_in_place(
-    init_on_device: Callable[[Any], Any], params: Any, memory: str, update: str = "device"
-) -> Any:
+def init_in_place(init_on_device: Callable[[Any], Any], params: Any) -> Any:
     """Initialise optimizer state straight into its planned memory.
 
     The state that lives in host memory is computed there, in one host computation
@@ -126,22 +125,23 @@ def init_in_place(
     the same program (`to_host`: an array that only `out_shardings` puts in host memory
     keeps a device type, and later traces would treat it as device memory). Either way
     the state is never all on the device at once. On a mesh, each leaf is sharded like
-    the parameter it mirrors. Inside a trace (`ox.filter_jit(opt.init)`), the enclosing
-    program places the outputs; outside, one jit does.
+    the parameter it mirrors. Inside a trace (`ox.filter_jit(opt.init, strategy=...)`),
+    the state is built where the step's strategy keeps it and the enclosing program
+    returns it; outside, one jit builds it where the optimizer declares it.
     """
     abstract = eqx.filter_eval_shape(init_on_device, params)
     traced = any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves(params))
-    shardings = state_shardings(params, abstract, memory=memory, update=update, traced=traced)
-    host = jax.tree_util.tree_map(
-        lambda s: s is not None and s.memory_kind == "pinned_host",
-        shardings,
-        is_leaf=lambda x: x is None,
-    )
+    plan = active_plan()
+    strategy = plan.strategy if traced and plan is not None else None
+    placement = state_plan(params, abstract, strategy, traced)
+    memory_kinds = placement.memory_kinds(1)
 
     def init_placed(params):
         state = init_on_device(params)
         leaves, treedef = jax.tree_util.tree_flatten(state)
-        wanted = [bool(h) for h in jax.tree_util.tree_leaves(host)]
+        # One flag per leaf: an array leaf in the memory the plan gives it, in leaf order.
+        kinds = iter(memory_kinds)
+        wanted = [is_array_leaf(x) and next(kinds) == "pinned_host" for x in leaves]
         on_host = None
         if any(wanted):
             dynamic, static = eqx.partition(params, eqx.is_array)
@@ -166,7 +166,7 @@ def init_in_place(
 
     if traced:
         return init_placed(params)
-    return jax.jit(init_placed, out_shardings=shardings)(params)
+    return jax.jit(init_placed, out_shardings=placement.tree_shardings(1))(params)
 
 
 def flatten_transfers() -> bool:

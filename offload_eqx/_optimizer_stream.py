@@ -373,6 +373,6 @@ def stream_init(
                 )
             )
 
-        return init_in_place(init_on_device, params, memory)
+        return init_in_place(init_on_device, params)
 
     return init_fn

@@ -14,7 +14,7 @@ the same placements, and prints as a table.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from ._activations import LayerSplit, Policy, policies_of
 from ._leaf_plan import LeafPlan, current_sharding, effective_memory, mirror_states
 from ._memory_space import is_host_aval
-from ._mesh import AnyMesh, check_spec, output_sharding, resolve_mesh, spec_problem
+from ._mesh import AnyMesh, leaf_sharding, output_sharding, resolve_mesh
 from ._plan_print import format_plan
 from ._plan_walk import Annotations, format_keys, is_array_leaf, match_subtrees, walk
 from ._remat_policy import check_names, check_offloads, effective_policy, remat_policy
@@ -34,12 +34,6 @@ _CONFLICTING_POLICIES = (
     "{second!r} by `{second_path}`. A name has one policy for the whole model (it is "
     "compiled into one remat policy); give it the same policy in both places, or rename "
     "one of the activations."
-)
-_NO_MESH = (
-    "Leaf `{path}` has the partition spec {spec}, but no mesh was given and none of the "
-    "arrays passed is on a mesh, so there is nothing to shard it over. Give the mesh "
-    "once: `ox.place(model, mesh=mesh)` (later calls find it on the placed arrays) or "
-    "`ox.filter_jit(..., mesh=mesh)`; or drop the spec to keep the leaf on one device."
 )
 _OFFLOADS_NOTHING = (
     "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. {fix}"
@@ -72,9 +66,6 @@ class Plan:
     ):
         strategy = resolve_strategy(strategy)
         self.strategy = strategy
-        # False where only memories are asked for (an optimizer state initialised under
-        # `eqx.filter_eval_shape`, which has no mesh): a spec is then not an error.
-        self._specs_need_a_mesh = specs_need_a_mesh
         # The mesh is given once; later calls find it on the arrays placed over it.
         self.mesh: AnyMesh | None = resolve_mesh(roots, mesh)
         self.roots: tuple[str, ...] = tuple(label for label, _ in roots)
@@ -98,7 +89,8 @@ class Plan:
                     dict(
                         path=path,
                         shape=tuple(np.shape(leaf)),
-                        dtype=leaf.dtype,
+                        # As jit traces it: a NumPy float64 batch is float32 (no x64).
+                        dtype=jax.dtypes.canonicalize_dtype(leaf.dtype, allow_extended_dtype=True),
                         memory=effective_memory(placement, np.ndim(leaf), strategy, path),
                         declared=None if placement is None else placement.memory,
                         role=None if placement is None else placement.role,
@@ -112,7 +104,13 @@ class Plan:
             self._structure.append((treedef, tuple(indices)))
 
         shardings = mirror_states(
-            entries, found.placements, strategy, self.mesh is not None, self._sharding
+            entries,
+            found.placements,
+            strategy,
+            self.mesh is not None,
+            # `specs_need_a_mesh` is False where only memories are asked for (an optimizer
+            # state initialised under `eqx.filter_eval_shape`, which has no mesh).
+            lambda entry: leaf_sharding(entry, self.mesh, specs_need_a_mesh),
         )
         self.leaves: tuple[LeafPlan, ...] = tuple(
             LeafPlan(**{k: v for k, v in e.items() if k != "current"}, sharding=s)
@@ -145,31 +143,6 @@ class Plan:
         self.policy: Callable[..., Any] = self._policy_at(None)
 
     # -- the rules ---------------------------------------------------------------------
-
-    def _sharding(self, entry: dict[str, Any]) -> Any:
-        """A leaf's planned sharding: over the mesh a `NamedSharding` with its spec (a
-        leaf without one keeps the spec it has on this mesh, or is replicated); off a
-        mesh its current sharding in its planned memory."""
-        memory, current, spec = entry["memory"], entry["current"], entry["spec"]
-        mesh = self.mesh
-        if mesh is not None:
-            memory = memory or getattr(current, "memory_kind", None) or "device"
-            if spec is None:
-                on_mesh = isinstance(current, NamedSharding) and current.mesh == mesh
-                spec = current.spec if on_mesh else PartitionSpec()
-            elif entry["role"] == "optimizer":
-                if spec_problem(entry["path"], entry["shape"], spec, mesh) is not None:
-                    spec = PartitionSpec()  # a state leaf the spec does not fit
-            else:
-                check_spec(entry["path"], entry["shape"], spec, mesh)
-            return NamedSharding(mesh, spec, memory_kind=memory)
-        if spec is not None and entry["role"] != "optimizer" and self._specs_need_a_mesh:
-            raise ValueError(_NO_MESH.format(path=entry["path"], spec=spec))
-        if current is None:
-            return SingleDeviceSharding(jax.devices()[0], memory_kind=memory or "device")
-        if memory is None or current.memory_kind == memory:
-            return current
-        return current.with_memory_kind(memory)
 
     def _policy_at(self, layer: int | None) -> Callable[..., Any]:
         """The remat policy of layer `layer` of a scan (None: outside any scan)."""
@@ -204,6 +177,11 @@ class Plan:
         """True when the activation mode keeps every residual (no rematerialisation)."""
         return self.strategy.activations == "save"
 
+    def memory_kinds(self, root: int | str = 0) -> list[str]:
+        """The memory kind of each array leaf of argument `root`, in leaf order."""
+        index = self.roots.index(root) if isinstance(root, str) else root
+        return [leaf.sharding.memory_kind for leaf in self.leaves if leaf.root == index]
+
     def tree_shardings(self, root: int | str = 0) -> Any:
         """A pytree like argument `root` holding each array leaf's planned sharding
         (None at every other leaf)."""
@@ -216,10 +194,11 @@ class Plan:
     def donated(
         self, donate: str, out_treedef: Any, out_mask: Sequence[bool], out_avals, keep_root
     ) -> tuple:
-        """The argument leaves to donate: under `donate="all"` each leaf the step returns a
-        new value of, in the same memory (the updated model, the new optimizer state:
-        `output_arguments`, matched by structure), except the leaves of argument
-        `keep_root` (`"all-except-first"`) and NumPy leaves (copied in anyway). An
+        """The argument leaves to donate: under any `donate` but `"none"` (`"all"`,
+        `"warn"`, ...) each leaf the step returns a new value of, in the same memory (the
+        updated model, the new optimizer state: `output_arguments`, matched by
+        structure), except the leaves of argument `keep_root` (`"all-except-first"`,
+        `"warn-except-first"`) and NumPy leaves (copied in anyway). An
         argument that is a bare array (a batch, a loss scale) is never donated, even when
         an output has its shape: nothing says the output is its new value."""
         if donate == "none":
@@ -286,24 +265,60 @@ class Plan:
             for new, leaf in zip(new_values, own)
         )
 
-    def output_shardings(self, out_treedef, out_mask, out_avals, device, created=()) -> tuple:
+    def argument_shardings(self, to_jit: bool = False) -> tuple:
+        """The sharding each argument leaf is compiled with: its planned one. With
+        `to_jit` (off a mesh, for a program that places values on devices itself: a
+        sharding constraint), a leaf in device memory is left to jit (None), which places
+        it as `jax.jit` does: where it is committed, or where the program puts it. (A
+        `pinned_host` array passed there is traced as host memory, which the program
+        refuses, and is moved as the plan says.)"""
+        return tuple(
+            None
+            if to_jit and getattr(leaf.sharding, "memory_kind", None) == "device"
+            else leaf.sharding
+            for leaf in self.leaves
+        )
+
+    def output_shardings(
+        self, out_treedef, out_mask, out_avals, device, created=(), donated=(), to_jit=False
+    ) -> tuple:
         """Each array output's sharding: its memory follows its traced type; over a mesh
-        an output that is the new value of an argument keeps that argument's spec (so
-        the next step moves nothing), an output the step creates takes the spec its
+        an output that is the new value of a pytree argument keeps that argument's spec
+        (so the next step moves nothing), an output the step creates takes the spec its
         annotations give it (`created`, from `outputs`), and other outputs follow their
-        type under Explicit axes or are left to the compiler (None) under Auto axes."""
+        type under Explicit axes, or are left to the compiler (None) under Auto axes,
+        keeping the sharding the program constrains them to. Off a mesh, outputs are on
+        `device`, except that with `to_jit` (see `argument_shardings`) device outputs
+        are left to the compiler. An output left to the compiler that has the shape and
+        dtype of a donated argument (`donated`, indices) in host memory is given its
+        sharding explicitly: XLA would otherwise alias the host buffer to a device result
+        and abort the process."""
         result = []
-        like = self.output_arguments(out_treedef, out_mask, out_avals, unique=False)
+        like = self.output_arguments(
+            out_treedef, out_mask, out_avals, unique=False, containers_only=True
+        )
         created = tuple(created) or (None,) * len(out_avals)
+        host_donated = {
+            (self.leaves[i].shape, self.leaves[i].dtype)
+            for i in donated
+            if getattr(self.leaves[i].sharding, "memory_kind", None) == "pinned_host"
+        }
         for aval, leaf, own in zip(out_avals, like, created):
             memory = "pinned_host" if is_host_aval(aval) else "device"
             leaf = own if own is not None else leaf
             if self.mesh is None:
-                result.append(SingleDeviceSharding(device, memory_kind=memory))
+                sharding = SingleDeviceSharding(device, memory_kind=memory)
+                result.append(None if to_jit and memory == "device" else sharding)
             elif leaf is not None and isinstance(leaf.sharding, NamedSharding):
                 result.append(NamedSharding(self.mesh, leaf.sharding.spec, memory_kind=memory))
             else:
                 result.append(output_sharding(aval, self.mesh, memory))
+            if result[-1] is None and (tuple(aval.shape), aval.dtype) in host_donated:
+                result[-1] = (
+                    SingleDeviceSharding(device, memory_kind=memory)
+                    if self.mesh is None
+                    else NamedSharding(self.mesh, PartitionSpec(), memory_kind=memory)
+                )
         return tuple(result)
 
     # -- checks --------------------------------------------------------------------------
@@ -415,17 +430,16 @@ def plan(
     return Plan([(name, tree)], strategy, mesh)
 
 
-def state_shardings(
-    params: Any, state: Any, *, memory: str = "pinned_host", update="device", traced=False
-):
-    """The planned sharding of every array leaf of an optimizer `state` (None at other
-    leaves) for `params`: non-scalar state in `memory` as declared by the optimizer,
-    sharded like the parameter whose key path it mirrors (replicated where shapes
-    differ), on the mesh the parameters are on. With `traced` (parameters inside a trace,
-    which carry no mesh), only the memory kinds of the result are meaningful."""
-    strategy = Strategy("init", optimizer=cast(Any, memory), update=cast(Any, update))
+def state_plan(params: Any, state: Any, strategy: Strategy | None = None, traced=False) -> Plan:
+    """The plan of an optimizer `state` for `params` (its root 1): state in the memory
+    the strategy gives it (by default, as the optimizer declares it), sharded like the
+    parameter whose key path it mirrors (replicated where shapes differ), on the mesh
+    the parameters are on. Inside a step, `strategy` is the step's, so `opt.init` traced
+    by `ox.filter_jit(..., strategy=...)` builds the state where that strategy keeps it.
+    With `traced` (parameters inside a trace, which carry no mesh), only the memories
+    are meaningful."""
     roots = [("params", params), ("opt_state", state)]
-    return Plan(roots, strategy, specs_need_a_mesh=not traced).tree_shardings(1)
+    return Plan(roots, strategy, specs_need_a_mesh=not traced)
 
 
 def format_path(root: str, keys: Any) -> str:

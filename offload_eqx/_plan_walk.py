@@ -81,9 +81,11 @@ def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) 
     if is_array_leaf(node) or node is None:
         found.placements[path] = None if inherited is _MIRROR else inherited
         return
-    if isinstance(node, eqx.nn.StateIndex):
+    if isinstance(node, eqx.nn.StateIndex) and not _is_optimizer(inherited):
         # A stateful layer's initial state (`BatchNorm`'s running statistics before
         # `eqx.nn.make_with_state`) is not a parameter: no memory declared above applies.
+        # The optimizer's state for it (Adam's moments of a trained initial state) is
+        # optimizer state like the rest, and lives where the optimizer keeps its state.
         inherited = None
     if isinstance(node, eqx.Module):
         extra = getattr(type(node), ANNOTATION_ATTRIBUTE, None)
@@ -99,7 +101,7 @@ def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) 
                     found.names.extend((name, policy, path) for name, policy in value.items())
                 continue
             declared = field_placement(f)
-            if inherited is not None and (inherited.role == "optimizer" or inherited is _MIRROR):
+            if _is_optimizer(inherited) or inherited is _MIRROR:
                 # Optimizer state mirrors the model: the model's field declarations do not
                 # apply inside it.
                 declared = None
@@ -115,6 +117,10 @@ def walk(node: Any, path: str, inherited: Placement | None, found: Annotations) 
         if child is node:  # a leaf that is not an array (a function, a string, ...)
             return
         walk(child, path + format_keys(key), inherited, found)
+
+
+def _is_optimizer(placement: Placement | None) -> bool:
+    return placement is not None and placement.role == "optimizer"
 
 
 def _check_holds_arrays(path: str, value: Any, declared: Placement) -> None:

@@ -299,10 +299,6 @@ def _case_state_of_another_model(model, opt_state):
     step(other, opt_state, jnp.ones((3, 8)))
 
 
-def _case_same_array_twice(model, opt_state):
-    ox.filter_jit(lambda a, b: (a, b), donate="all")(model, model)
-
-
 def _case_not_callable(model, opt_state):
     ox.filter_jit(model.layers.w1)
 
@@ -405,11 +401,6 @@ BAD_INPUTS = [
         _case_state_of_another_model,
         ValueError,
         r"state.inner\[1\]\[0\].mu.layers.w1` has shape.*opt.init\(model\)",
-    ),
-    (
-        _case_same_array_twice,
-        ValueError,
-        r"same array is passed as `a.layers.w1` and `b.layers.w1`",
     ),
     (_case_not_callable, TypeError, r"not callable.*Pass the function"),
     (

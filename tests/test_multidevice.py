@@ -480,6 +480,12 @@ def test_arguments_on_two_devices_are_named_by_path():
     step = ox.filter_jit(lambda model, x: jax.vmap(model)(x))
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
     x = jax.device_put(jnp.ones((3, 4)), jax.devices()[1])
+    # An uncommitted model follows the committed batch, as under `jax.jit` (issue 25).
+    assert step(model, x).sharding.device_set == {jax.devices()[1]}
+    # Committed to another device than the batch: the two conflict.
+    model = jax.tree.map(
+        lambda a: jax.device_put(a, jax.devices()[0]) if eqx.is_array(a) else a, model
+    )
     with pytest.raises(
         ValueError,
         match=r"the arguments are on different devices \(`x` is on .*1, while the others are "
@@ -506,3 +512,25 @@ def test_checkpoint_restored_on_a_mesh_in_a_new_process(tmp_path, fmt):
     mu = resumed["restored"]["[1].inner[1][0].mu.layers.w1"]
     assert w1 == ["pinned_host", "P(None, 'fsdp', None)", "host"]
     assert mu == w1  # the optimizer state is sharded like its parameter
+
+
+@on_eight_devices
+def test_sharding_constraints_inside_the_step_are_kept():
+    """Issue 25, item 8: a constraint (or `eqx.filter_shard`) inside the step, with no
+    mesh given: the uncommitted input follows it and the output comes back as
+    constrained, as under `eqx.filter_jit`; with `mesh=` too (it came back replicated)."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    sharded = NamedSharding(mesh, P("x"))
+
+    def constrain(x):
+        return jax.lax.with_sharding_constraint(x + 1, sharded)
+
+    def filter_shard(x):
+        return eqx.filter_shard(x + 1, sharded)
+
+    for fn in (constrain, filter_shard):
+        expected = eqx.filter_jit(fn)(jnp.zeros(16))
+        for step in (ox.filter_jit(fn), ox.filter_jit(fn, mesh=mesh)):
+            out = step(jnp.zeros(16))
+            assert out.sharding.is_equivalent_to(sharded, 1), out.sharding
+            np.testing.assert_array_equal(out, expected)

@@ -1,0 +1,78 @@
+"""Ahead-of-time compilation of an `ox.filter_jit` step: `step.lower(*args).compile()`.
+
+As with `eqx.filter_jit`, the lowered and compiled objects take and return what the
+step does (pytrees, static leaves included), not the flat list of array leaves the
+program underneath takes: `step.lower(model, x).compile()(model, x)`. A call whose
+static part, structure or array types differ from the ones lowered is refused with what
+differs. Everything else is JAX's (`as_text()`, `cost_analysis()`, `memory_analysis()`,
+and the other attributes of `jax.stages.Lowered` / `jax.stages.Compiled`).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+_OTHER_CALL = (
+    "{caller}: this compiled step was lowered for other arguments: {detail}. Lower and "
+    "compile it for these arguments (`step.lower(*args).compile()`), or call the step "
+    "itself, which compiles what it needs."
+)
+
+
+class Compiled:
+    """What `Lowered.compile()` returns: the compiled program, called like the step."""
+
+    def __init__(self, compiled: jax.stages.Compiled, entry: Any, split: Callable, caller: str):
+        self.compiled = compiled
+        self._entry = entry
+        self._split = split  # (args, kwargs) -> (key, types, array leaves)
+        self._caller = caller
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, types, dynamic = self._split(args, kwargs)
+        expected_key, expected_types = self._entry.key, self._entry.types
+        if key != expected_key:
+            detail = "their structure or their non-array (static) leaves differ"
+            raise TypeError(_OTHER_CALL.format(caller=self._caller, detail=detail))
+        if types != expected_types:
+            changed = [
+                f"`{leaf.path}` is {_shown(got)}, lowered for {_shown(want)}"
+                for leaf, got, want in zip(self._entry.plan.leaves, types, expected_types)
+                if got != want
+            ]
+            detail = "; ".join(changed[:3])
+            raise TypeError(_OTHER_CALL.format(caller=self._caller, detail=detail))
+        return self._entry.rebuild(self.compiled(*self._entry.moved(dynamic)))
+
+    def as_text(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled.as_text(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
+class Lowered:
+    """What `step.lower(*args)` returns: the lowered program; `.compile()` compiles it
+    into a `Compiled` called like the step."""
+
+    def __init__(self, lowered: jax.stages.Lowered, entry: Any, split: Callable, caller: str):
+        self.lowered = lowered
+        self._entry = entry
+        self._split = split
+        self._caller = caller
+
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        compiled = self.lowered.compile(compiler_options=compiler_options)
+        return Compiled(compiled, self._entry, self._split, self._caller)
+
+    def as_text(self, *args: Any, **kwargs: Any) -> Any:
+        return self.lowered.as_text(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)
+
+
+def _shown(types: tuple) -> str:
+    shape, dtype, weak = types
+    return f"{'weakly typed ' if weak else ''}{jax.numpy.dtype(dtype).name}{list(shape)}"

@@ -1,0 +1,93 @@
+"""The compile cache of `ox.filter_jit`, keyed as `eqx.filter_jit` keys it.
+
+A cache belongs to the function, not to the wrapper object: `ox.filter_jit(f)` made
+twice, `ox.filter_jit(eqx.filter_grad(f))` made afresh in a loop, a bound method taken
+afresh (`ox.filter_jit(model.method)`), all find the programs the first one compiled.
+Caches are held per user function (the one found by unwrapping `functools.partial`,
+`__wrapped__` and bound methods) in a weak dictionary, so a function that is no longer
+referenced takes its programs with it; within it, one cache per set of options (the
+strategy, donation, mesh and audit) and, for a wrapper of the function that holds no
+arrays, per wrapper value (`eqx.filter_grad(f)` and `eqx.filter_value_and_grad(f)`
+differ). `eqx.clear_caches()` and `ox.clear_caches()` empty them all.
+"""
+
+import functools
+import types
+import weakref
+from typing import Any
+
+import jax
+
+try:  # `eqx.clear_caches()` calls every function in this list
+    from equinox._caches import cache_clears as _EQUINOX_CLEARS
+except ImportError:  # pragma: no cover - the pinned equinox has it
+    _EQUINOX_CLEARS = []
+
+
+class Cache:
+    """The compilations of one function under one set of options."""
+
+    def __init__(self):
+        # key -> its entry, or, once several types were seen, {types: entry}
+        self.entries: dict[Any, Any] = {}
+        # The outputs of the latest call that donated its inputs (see `last_outputs`).
+        self.last_outputs: Any = None
+        # The keys each wrapper (by id) compiled, for `audit=True`'s changed-static check.
+        self.compiled_by: dict[int, list] = {}
+
+
+_BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_OTHERS: dict[Any, Cache] = {}  # functions that are not Python functions (callable objects)
+_ALL: "weakref.WeakSet[Cache]" = weakref.WeakSet()  # every cache, for `clear_caches`
+
+
+def user_function(fn: Any) -> Any:
+    """The Python function under wrappers: `functools.partial`, anything with
+    `__wrapped__` (`eqx.filter_grad`, `functools.wraps`), a bound method's function."""
+    for _ in range(32):  # a wrapper chain longer than this is not unwrapped further
+        inner = fn.func if isinstance(fn, functools.partial) else None
+        if inner is None:
+            inner = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
+        if inner is None or inner is fn:
+            return fn
+        fn = inner
+    return fn
+
+
+def cache_of(fn: Any, fn_has_arrays: bool, options: tuple) -> Cache:
+    """The cache shared by every wrapper of `fn` (or of a function equal to it) made with
+    `options`. A wrapper of an unhashable function gets a cache of its own."""
+    root = user_function(fn)
+    weak = type(root) is types.FunctionType
+    # Where `fn` has arrays, they are arguments: its static part is in every entry's key.
+    # Where `fn` is the weakly held function itself, the table is its own.
+    own = None
+    if not fn_has_arrays and not (weak and fn is root):
+        # By value, leaf by leaf, as `eqx.filter_jit` keys it: `eqx.filter_grad(f)` made
+        # again is the same function (a module holding a dict is not hashable itself).
+        leaves, treedef = jax.tree_util.tree_flatten(fn)
+        own = (treedef, tuple(leaves))
+    try:
+        table = _BY_FUNCTION.setdefault(root, {}) if weak else _OTHERS
+        cache = table.get((options, own))
+        if cache is None:
+            cache = table[options, own] = Cache()
+    except TypeError:  # an unhashable function or option: nothing to share
+        cache = Cache()
+    _ALL.add(cache)
+    return cache
+
+
+def clear_caches() -> None:
+    """Forget every program `ox.filter_jit` has compiled, as `eqx.clear_caches()` does
+    for `eqx.filter_jit` (and now for these too): every step compiles again on its next
+    call."""
+    for cache in list(_ALL):
+        cache.entries.clear()
+        cache.compiled_by.clear()
+        cache.last_outputs = None
+    _BY_FUNCTION.clear()
+    _OTHERS.clear()
+
+
+_EQUINOX_CLEARS.append(clear_caches)
