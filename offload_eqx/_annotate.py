@@ -8,6 +8,8 @@ the original `__call__`, so the model computes exactly as before and
 """
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -47,18 +49,44 @@ class Call(eqx.Module):
         return self.method(self.module, *args, **kwargs)
 
 
-def _with_region(call: Any) -> Any:
-    """An annotated module's `__call__`: the original one, inside a region (so the
-    module's host-resident leaves are fetched there, and its activations follow the
-    step's strategy), unless a region encloses it. Outside `ox.filter_jit`, a module
-    whose arrays are all on the device runs as written, exactly as the unannotated one."""
+def with_region(method: Any) -> Any:
+    """A method of an annotated module (its `__call__`, or another public method such as
+    `generate`): the original one, inside a region (so the module's host-resident
+    leaves are fetched there, and its activations follow the step's strategy), unless
+    a region encloses it. Outside `ox.filter_jit`, a module whose arrays are all on the
+    device runs as written, exactly as the unannotated one."""
 
-    def __call__(self, *args, **kwargs):
+    @functools.wraps(method)
+    def in_region(self, *args, **kwargs):
         if inside_region() or (current() is None and not _holds_host_arrays(self)):
-            return call(self, *args, **kwargs)
-        return checkpoint(Call(self, call), *args, **kwargs)
+            return method(self, *args, **kwargs)
+        return checkpoint(Call(self, method), *args, **kwargs)
 
-    return __call__
+    return in_region
+
+
+# Methods that answer a question about the layer rather than compute with its arrays
+# (`eqx.nn.Sequential` asks each layer `is_stateful()` while it runs).
+_PROTOCOL = frozenset(vars(eqx.nn.StatefulLayer)) - {"__call__"}
+
+
+def region_methods(cls: type, inherited: bool = True) -> dict[str, Any]:
+    """The methods of `cls` that bring a region: `__call__` and every public method
+    (`generate`, `sample`, `encode`, ...), each of which may compute with the module's
+    host-resident leaves. With `inherited`, those its base classes define too (an
+    annotated `eqx.nn` layer, or a model with a `generate` method)."""
+    found: dict[str, Any] = {}
+    seen: set[str] = set()  # the nearest class's attribute of a name is the one in use
+    classes = [c for c in cls.__mro__ if issubclass(c, eqx.Module) and c is not eqx.Module]
+    for klass in classes if inherited else [cls]:
+        for name, value in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            public = name == "__call__" or not name.startswith("_")
+            if public and name not in _PROTOCOL and inspect.isfunction(value):
+                found[name] = value
+    return found
 
 
 def _holds_host_arrays(module: Any) -> bool:
@@ -98,8 +126,8 @@ def _annotated_class(
         merged = dict(inherited.items()) if inherited is not None else {}
         merged.update(activations.items())
         namespace[ANNOTATION_ATTRIBUTE] = Activations(**merged)
-    if region and fields and callable(getattr(cls, "__call__", None)):
-        namespace["__call__"] = _with_region(cls.__call__)
+    if region and fields:
+        namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
         namespace[REGION_ATTRIBUTE] = True
     subclass = type(cls.__name__, (cls,), namespace)
     subclass.__qualname__ = cls.__qualname__

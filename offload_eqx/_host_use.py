@@ -23,17 +23,40 @@ from ._plan import Plan
 _HOST_USE = (
     "{caller}: {paths} {are} host-resident (pinned_host) and {is_} used outside any "
     "`ox.scan`/`ox.checkpoint` region{where}, where JAX cannot compute on {it} or "
-    "differentiate {it} (`{error}`): the code there uses {it} directly (in the loss, or in "
-    "a module called outside a region), or {its} gradient, host-typed (the transpose of "
-    "the fetch sends it back to host memory), meets device values (gradient clipping, "
-    "the optimizer). Fixes: fetch {it} where {it_is} used, `ox.fetch(...)` (once, there; "
-    "the gradient of that use is added to the rest in host memory); call the module that "
-    "uses {it} through `ox.scan(...)`/`ox.checkpoint(...)` (or annotate it with "
-    "`ox.annotate(..., memory=...)`, which brings its own region); for an L2 penalty, "
-    "chain `optax.add_decayed_weights(2 * weight)` before the optimizer instead (the same "
+    "differentiate {it} (`{error}`): {cause} Fixes: {fixes}"
+)
+_GENERAL_CAUSE = (
+    "the code there uses {it} directly (in the loss, or in a module called outside a "
+    "region), or {its} gradient, host-typed (the transpose of the fetch sends it back to "
+    "host memory), meets device values (gradient clipping, the optimizer)."
+)
+_GENERAL_FIXES = (
+    "fetch {it} where {it_is} used, `ox.fetch(...)` (once, there; the gradient of that "
+    "use is added to the rest in host memory); call the module that uses {it} through "
+    "`ox.scan(...)`/`ox.checkpoint(...)`{annotate}; for an L2 penalty, chain "
+    "`optax.add_decayed_weights(2 * weight)` before the optimizer instead (the same "
     "update, nothing fetched); wrap the optimizer with `ox.offload_optimizer(...)` (which "
     "fetches gradients explicitly); or keep {it} on the device (`ox.field(memory="
     "'device')`, or a strategy that keeps parameters there)."
+)
+_ANNOTATE = (
+    " (or annotate it with `ox.annotate(..., memory=...)`: its `__call__` and public "
+    "methods then bring their own region)"
+)
+# Library functions that add updates to parameters on the device, and what replaces them.
+_APPLY_UPDATES = {
+    ("equinox", "apply_updates"): "eqx.apply_updates",
+    ("optax", "apply_updates"): "optax.apply_updates",
+}
+_APPLY_CAUSE = (
+    "`{function}` adds the updates to {it} on the device, and the updates of host-resident "
+    "parameters are device-typed."
+)
+_APPLY_FIXES = (
+    "replace `{function}(model, updates)` with `ox.apply_updates(model, updates)`, which "
+    "adds each update where its parameter lives (on the host for host-resident ones), or "
+    "compute and apply the update in one call with `ox.update_and_apply(opt, grads, "
+    "opt_state, model)`."
 )
 
 # Frames of these packages are not where the user's code used a leaf.
@@ -92,6 +115,16 @@ def locate_host_use(
             pass
     one = len(offenders) <= 1
     where = where or use_site(error)
+    words = dict(it="it" if one else "them", it_is="it is" if one else "they are")
+    function = _library_function(error)
+    if function is not None:
+        cause = _APPLY_CAUSE.format(function=function, **words)
+        fixes = _APPLY_FIXES.format(function=function)
+    else:
+        cause = _GENERAL_CAUSE.format(its="its" if one else "their", **words)
+        declared = {leaf.path for leaf in plan.leaves if leaf.declared is not None}
+        annotated = bool(offenders) and set(offenders) <= declared
+        fixes = _GENERAL_FIXES.format(annotate="" if annotated else _ANNOTATE, **words)
     message = _HOST_USE.format(
         caller=caller,
         paths=", ".join(f"`{p}`" for p in offenders) or "some host-resident leaves",
@@ -99,8 +132,22 @@ def locate_host_use(
         is_="is" if one else "are",
         where=f", at {where}" if where else "",
         error=mixed_memory_spaces_summary(error),
-        it="it" if one else "them",
-        it_is="it is" if one else "they are",
-        its="its" if one else "their",
+        cause=cause,
+        fixes=fixes,
+        **words,
     )
     return HostUseError(message, offenders)
+
+
+def _library_function(error: BaseException) -> str | None:
+    """`eqx.apply_updates` or `optax.apply_updates`, when the failing operation ran inside
+    one of them (their frames are in the traceback of the error or of its cause)."""
+    for exception in (error, error.__cause__):
+        if exception is None or exception.__traceback__ is None:
+            continue
+        for frame in traceback.extract_tb(exception.__traceback__):
+            parts = frame.filename.split(os.sep)
+            for (package, name), function in _APPLY_UPDATES.items():
+                if package in parts and frame.name == name:
+                    return function
+    return None

@@ -104,6 +104,8 @@ class _Walker:
         self.host_computations: list[HostComputation] = []
         self.saw_backward = False
         self._seen_violations: set[tuple[str, str]] = set()
+        # Every host leaf fetched in the walk, by type: (shape, dtype) -> paths.
+        self._fetched: dict[tuple, list[str]] = {}
 
     def violate(self, rule: str, path: str, message: str) -> None:
         if (rule, path) not in self._seen_violations:
@@ -232,10 +234,15 @@ class _Walker:
                 kind, what = source.kind, source.what
                 if to_device and kind == "parameter":
                     fetches.append((what, invar.aval))
+                    self._fetched.setdefault(
+                        (tuple(invar.aval.shape), invar.aval.dtype), []
+                    ).append(what)
             elif top and outvar in self.outputs:
                 kind, what = self.outputs[outvar]
             elif label is not None:
                 kind, what = label
+                if kind == "gradient" and to_host:
+                    env[outvar] = _Origin("gradient", what)
             elif to_host and phase == "backward":
                 kind, what = "gradient", self._gradient_of(outvar.aval, fetches)
                 env[outvar] = _Origin("gradient", what)
@@ -283,15 +290,22 @@ class _Walker:
                 )
             )
 
-    @staticmethod
-    def _gradient_of(aval, fetches: list[tuple[str, Any]]) -> str:
+    def _gradient_of(self, aval, fetches: list[tuple[str, Any]]) -> str:
         """The host leaf whose fetch this cotangent transposes: JAX transposes in
-        reverse order, so the latest fetch of the same type not yet paired."""
+        reverse order, so the latest fetch of the same type not yet paired in this body.
+        A leaf the backward pass does not fetch again (a bias: its gradient does not
+        read it) was fetched in another body (the forward pass of a loop): the one host
+        leaf of that type fetched anywhere, or those it can be."""
         for i in range(len(fetches) - 1, -1, -1):
             path, fetched = fetches[i]
             if tuple(fetched.shape) == tuple(aval.shape) and fetched.dtype == aval.dtype:
                 del fetches[i]
                 return path
+        candidates = list(dict.fromkeys(self._fetched.get((tuple(aval.shape), aval.dtype), [])))
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            return "one of " + ", ".join(candidates[:3]) + ("..." if len(candidates) > 3 else "")
         return "a host-resident leaf"
 
     # -- contract checks on the walk ---------------------------------------------------

@@ -72,7 +72,7 @@ def effective_memory(
     if placement.role == "optimizer" and ndim == 0:
         # Scalars (Adam's step count, injected hyperparameters) stay on the device: they
         # are bytes, every update reads them, and a donated host scalar that XLA aliases
-        # to a device output aborts the process (see ../shared/reference).
+        # to a device output aborts the process (see `Plan.output_shardings`).
         return "device"
     memory = strategy.memory_of(placement.role, path, placement.memory, mirrors)
     return cast(Memory, memory)

@@ -1,5 +1,6 @@
 """Memory spaces of arrays and tracers: which is host-typed, and explicit moves between them."""
 
+import os
 from typing import Any
 
 import equinox as eqx
@@ -38,7 +39,11 @@ def to_device(x: Any) -> Any:
 # device-typed zero, and fails ("Expected cotangent type float32<host>[...] but got
 # float32[...]") when that value is host-typed and fetched inside the body. Remat and jit
 # bodies take such constants as operands and are not affected (tests/test_jax_messages.py).
-_LOOP_BODIES = ("scan", "fori", "while", "cond", "switch")
+_LOOP_BODIES = ("scan", "fori", "while", "cond", "switch", "closure_convert")
+# A function traced by Equinox's `filter_closure_convert` (the body of
+# `eqx.internal.while_loop(..., kind="checkpointed")`, diffrax's solver loop): what it
+# closes over becomes an operand of every iteration, so it is a loop body too.
+_EQUINOX_CLOSURES = os.sep + "equinox" + os.sep + "_make_jaxpr.py"
 
 
 def captured_by_loop(x: Any) -> bool:
@@ -51,7 +56,8 @@ def captured_by_loop(x: Any) -> bool:
     while trace is not None and trace is not own:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
         kind = getattr(info, "traced_for", None) or ""
-        if any(body in kind for body in _LOOP_BODIES):
+        source = getattr(info, "func_src_info", None) or ""
+        if any(body in kind for body in _LOOP_BODIES) or _EQUINOX_CLOSURES in source:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False

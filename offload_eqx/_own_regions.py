@@ -2,11 +2,12 @@
 
 A module that declares `w: jax.Array = ox.field(memory="pinned_host")` and computes with
 `self.w` in its `__call__` cannot run outside a region: the weight must be fetched inside
-one. So every class that declares a field with `ox.field` has its `__call__` wrapped
-when the class is made: when the module holds host-resident arrays under such fields and
-no region encloses the call, the call runs in `ox.checkpoint` (as `ox.annotate` does for
-modules you cannot edit). A module whose fields are all on the device is called as it
-was written, so device placements compile exactly as before.
+one. So every class that declares a field with `ox.field` has its `__call__` (and its other
+public methods, such as `generate`) wrapped when the class is made: when the module holds
+host-resident arrays under such fields and no region encloses the call, the call runs in
+`ox.checkpoint` (as `ox.annotate` does for modules you cannot edit). A module whose fields
+are all on the device is called as it was written, so device placements compile exactly as
+before.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._annotate import REGION_ATTRIBUTE, Call
+from ._annotate import REGION_ATTRIBUTE, Call, region_methods
 from ._memory_space import is_host_typed
 from ._placement import ON_DECLARING_CLASS, field_placement
 from ._regions import checkpoint
@@ -34,20 +35,22 @@ def owns_host_leaves(module: Any) -> bool:
     return False
 
 
-def _bring_region(owner: type) -> None:
-    call = owner.__dict__.get("__call__")
-    if call is None or getattr(owner, REGION_ATTRIBUTE, False) or not callable(call):
-        return
-    if not issubclass(owner, eqx.Module):
-        return
-
-    @functools.wraps(call)
-    def __call__(self, *args, **kwargs):
+def _own_region(method: Any) -> Any:
+    @functools.wraps(method)
+    def in_region(self, *args, **kwargs):
         if inside_region() or not owns_host_leaves(self):
-            return call(self, *args, **kwargs)
-        return checkpoint(Call(self, call), *args, **kwargs)
+            return method(self, *args, **kwargs)
+        return checkpoint(Call(self, method), *args, **kwargs)
 
-    owner.__call__ = __call__
+    return in_region
+
+
+def _bring_region(owner: type) -> None:
+    """Wrap `__call__` and the public methods (`generate`, ...) the class defines."""
+    if vars(owner).get(REGION_ATTRIBUTE, False) or not issubclass(owner, eqx.Module):
+        return
+    for name, method in region_methods(owner, inherited=False).items():
+        setattr(owner, name, _own_region(method))
     setattr(owner, REGION_ATTRIBUTE, True)
 
 

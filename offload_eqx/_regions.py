@@ -20,15 +20,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ._activations import check_name
+from ._fetches import fetch_captured, fetched, labels_of
 from ._host_compute import on_host
-from ._memory_space import (
-    captured_by_loop,
-    fetch_kept,
-    fetch_outside,
-    is_host_typed,
-    to_device,
-    to_host,
-)
+from ._memory_space import is_host_typed, to_device, to_host
 from ._plan import Plan
 from ._plan_walk import format_keys
 from ._remat_policy import OX_SCAN_SCOPE
@@ -71,55 +65,6 @@ def name(x: Any, name: str) -> Any:
     return out
 
 
-def fetch(tree: Any) -> Any:
-    """Fetch the host-resident arrays of `tree` to the device, here, explicitly.
-
-    For a host-resident leaf used outside any region, which JAX cannot compute on or
-    differentiate there: `1e-3 * jnp.sum(ox.fetch(model.layers.w) ** 2)`. The leaf is
-    fetched once, where this is called, and its device copy is kept as long as the
-    program needs it (the audit counts the transfer, and does not call the copy a
-    residual); the gradient of this use goes back to host memory and is added there to
-    the gradients the leaf's regions send. Device-resident leaves and non-array leaves
-    are returned unchanged. Outside `ox.filter_jit` it moves arrays to device memory.
-
-    **Returns:** `tree` with its host-resident arrays fetched to the device.
-    """
-    state = current()
-
-    def one(x: Any) -> Any:
-        if not is_host_typed(x):
-            return x
-        if captured_by_loop(x):
-            return _fetched_outside(x, state)
-        return fetch_kept(x)
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def _fetched_outside(x: Any, state: Any) -> Any:
-    """`x`, a host-typed leaf a loop body closes over, fetched outside the loop, once per
-    trace."""
-    if state is None:
-        return fetch_outside(x)
-    held = state.fetched_outside.get(id(x))
-    if held is None or held[0] is not x:
-        held = state.fetched_outside[id(x)] = (x, fetch_outside(x))
-    return held[1]
-
-
-def _fetch_captured(module: Any) -> Any:
-    """The module with every host-typed leaf that a loop body or branch closes over
-    fetched once, outside that body (`fetch_outside`): an `eqx.nn.LSTMCell` on the host
-    called in a `jax.lax.scan` over time steps. Its device copy is shared by every call in
-    the trace, and its gradient summed on the device and sent to host memory once."""
-    state = current()
-
-    def one(x: Any) -> Any:
-        return _fetched_outside(x, state) if is_host_typed(x) and captured_by_loop(x) else x
-
-    return jax.tree_util.tree_map(one, module)
-
-
 def _plan_for(module: Any) -> Plan:
     plan = active_plan()
     return Plan([("module", module)]) if plan is None else plan
@@ -144,17 +89,25 @@ def _rename(tree: Any, names: list[str | None]) -> Any:
 
 
 def _region(
-    plan: Plan, has_host_leaves: bool, prevent_cse: bool, out_names: list, policy=None
+    plan: Plan,
+    has_host_leaves: bool,
+    prevent_cse: bool,
+    out_names: list,
+    policy=None,
+    labels: list = (),  # type: ignore[assignment]
 ) -> Callable:
     """A function `(module, args, kwargs, in_names) -> output` that runs in a region,
-    with `policy` (by default the plan's, outside any scan)."""
+    with `policy` (by default the plan's, outside any scan); `labels` (see `labels_of`)
+    name the module's leaves."""
+    out_types: list = []
 
     def body(module, args, kwargs, in_names):
-        module = jax.tree_util.tree_map(to_device, module)
+        module = fetched(module, list(labels))
         with in_region():
             args = _rename(args, in_names)
             out = module(*args, **kwargs)
             out_names[:] = _names_of(out)
+            out_types[:] = [_type_of(x) for x in jax.tree_util.tree_leaves(out)]
             return out
 
     if plan.saves_everything and not has_host_leaves:
@@ -163,7 +116,41 @@ def _region(
     checkpointed = eqx.filter_checkpoint(
         body, policy=policy or plan.policy, prevent_cse=prevent_cse
     )
-    return lambda module, args, kwargs, in_names: checkpointed(module, args, kwargs, in_names)
+
+    def region(module, args, kwargs, in_names):
+        return _as_returned(checkpointed(module, args, kwargs, in_names), out_types)
+
+    return region
+
+
+def _type_of(x: Any) -> tuple | None:
+    if not eqx.is_array(x):
+        return None
+    aval = jax.typeof(x)
+    return aval.dtype, aval.weak_type
+
+
+def _as_returned(out: Any, types: list) -> Any:
+    """The region's outputs as the call returned them: a constant array output (BatchNorm's
+    `jnp.array(False)` first-time flag) comes out of `jax.checkpoint` as a Python or NumPy
+    scalar, which would change the structure of the state between steps. The user never
+    asked for a region, so it is turned back into the array it was."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    if len(leaves) != len(types) or all(
+        eqx.is_array(x) or t is None for x, t in zip(leaves, types)
+    ):
+        return out
+    fixed = [
+        x if t is None or eqx.is_array(x) else _array_like(x, *t) for x, t in zip(leaves, types)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, fixed)
+
+
+def _array_like(value: Any, dtype: Any, weak_type: bool) -> jax.Array:
+    array = jnp.asarray(value)  # a Python scalar gives a weakly typed array
+    if array.dtype != dtype or array.weak_type != weak_type:
+        array = jnp.asarray(value, dtype=dtype)
+    return array
 
 
 _HIDDEN_ARRAYS = (
@@ -217,11 +204,11 @@ def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
             _NOT_CALLABLE.format(caller="ox.checkpoint", value=module, kind=type(module).__name__)
         )
     _check_not_hidden(module, "ox.checkpoint")
-    module = _fetch_captured(module)
+    module = fetch_captured(module)
     in_names = _names_of(args)
     has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
     out_names: list = []
-    region = _region(_plan_for(module), has_host, True, out_names)
+    region = _region(_plan_for(module), has_host, True, out_names, labels=labels_of(module))
     out = region(module, args, kwargs, in_names)
     _note_outputs(out, out_names)
     return out
@@ -273,13 +260,14 @@ def scan(
             f"ox.scan(..., axis={axis!r}): the layer axis is a non-negative int (0 for "
             "leaves stacked along their first dimension)."
         )
-    dynamic, static = eqx.partition(_fetch_captured(stacked), eqx.is_array)
+    dynamic, static = eqx.partition(fetch_captured(stacked), eqx.is_array)
     with_paths = jax.tree_util.tree_flatten_with_path(dynamic)[0]
     if not with_paths:
         raise ValueError(
             "ox.scan: the stacked module has no array leaves, so there is no layer axis "
             "to scan over. Pass a module whose leaves are stacked along axis 0."
         )
+    label_tree = jax.tree_util.tree_map(lambda x: argument_path(x) or "", dynamic)
     lengths = _layer_lengths(with_paths, axis)
     if len(lengths) > 1 or -1 in lengths:
         described = "; ".join(
@@ -297,6 +285,8 @@ def scan(
     carry_names = _carry_names(dynamic, static, carry, args, kwargs, plan)
 
     segments = plan.segments(next(iter(lengths)))
+    # Each layer's leaves are slices of the stacked argument leaves: the same labels.
+    labels = jax.tree_util.tree_leaves(eqx.combine(label_tree, static))
 
     def run(carry, dynamic, args, kwargs):
         # One scan per segment of layers with its own policy (one, unless a name's policy
@@ -313,7 +303,7 @@ def scan(
 
             def step(carry, layer_dynamic, policy=policy):
                 layer = eqx.combine(layer_dynamic, static)
-                region = _region(plan, has_host, False, out_names, policy)
+                region = _region(plan, has_host, False, out_names, policy, labels)
                 return region(layer, (carry, *args), kwargs, carry_names), None
 
             with jax.named_scope(OX_SCAN_SCOPE):

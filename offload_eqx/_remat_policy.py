@@ -14,6 +14,7 @@ from jax import checkpoint_policies
 
 from ._activations import LayerSplit, Policy, policies_of
 from ._errors import ContractError, Violation
+from ._primitives import VIEWS
 from ._strategy import Strategy
 
 _NEVER_PRODUCED = (
@@ -122,10 +123,13 @@ def _is_fetch(prim: Any, params: dict) -> bool:
     return any(str(d).endswith("Device") for d in params.get("devices", ()))
 
 
+_RECOMPUTED = VIEWS | {"broadcast_in_dim"}
+
+
 def remat_policy(activations: Mapping[str, Policy], strategy: Strategy) -> Callable[..., Any]:
     """The policy of every region: named values as their policy says; everything else
-    saved under a `save` strategy and recomputed otherwise; a fetched copy of a
-    host-resident leaf never saved (it is fetched again instead)."""
+    saved under a `save` strategy (views aside) and recomputed otherwise; a fetched copy
+    of a host-resident leaf never saved (it is fetched again instead)."""
     saved = [n for n, p in activations.items() if p == "save"]
     offloaded = [n for n, p in activations.items() if p == "offload"]
     named = checkpoint_policies.save_and_offload_only_these_names(
@@ -139,7 +143,12 @@ def remat_policy(activations: Mapping[str, Policy], strategy: Strategy) -> Calla
     def policy(prim, *avals, **params):
         if prim.name == "name":
             return named(prim, *avals, **params)
-        if save_rest and not _is_fetch(prim, params):
+        # Under `save`, a view (a transpose, a cast, a reshape) or a broadcast is
+        # recomputed from its operand rather than saved: the view of a fetched weight
+        # (`w.T` or `u * D` inside a block's own `jax.checkpoint`, `w.astype(bf16)`) is a
+        # device copy of the whole leaf, and its operand, the fetch, is fetched again
+        # instead. Of an activation, its operand costs at most as much to keep.
+        if save_rest and not _is_fetch(prim, params) and prim.name not in _RECOMPUTED:
             return True
         return named(prim, *avals, **params)
 

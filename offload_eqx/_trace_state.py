@@ -49,9 +49,23 @@ def active_plan() -> Plan | None:
 
 
 def argument_path(leaf: Any) -> str | None:
-    """The plan path of a traced argument leaf of the `ox.filter_jit` being traced."""
+    """The plan path of a traced argument leaf of the `ox.filter_jit` being traced, or of
+    a value that stands for one under a transformation (`jax.grad` and `jax.vmap` wrap
+    the argument in a tracer whose primal, or batched value, is the argument)."""
     state = _STATE.get()
-    return None if state is None else state.leaf_paths.get(id(leaf))
+    if state is None:
+        return None
+    for _ in range(8):  # transformations nest: grad of vmap of ...
+        path = state.leaf_paths.get(id(leaf))
+        if path is not None:
+            return path
+        inner = getattr(leaf, "primal", None)
+        if inner is None:
+            inner = getattr(leaf, "val", None)
+        if inner is None or inner is leaf:
+            return None
+        leaf = inner
+    return None
 
 
 @contextlib.contextmanager
