@@ -27,11 +27,12 @@ from real_model_families import (
     classifier_batch,
 )
 from real_models import CASES, Case, mlp, mlp_batch, mlp_loss, optax_wrappers
+from third_party_families import THIRD_PARTY
 
 import offload_eqx as ox
 
 STRATEGIES = list(ox.STRATEGIES)
-ALL_CASES: dict[str, Case] = {**CASES, **FAMILIES}
+ALL_CASES: dict[str, Case] = {**CASES, **FAMILIES, **THIRD_PARTY}
 STEPS = 3
 MODEL_KEY, BATCH_KEY, STEP_KEY = 0, 1, 2
 
@@ -250,7 +251,7 @@ def _reference(name: str, optimizer: str = "own") -> list[tuple]:
 # -- 1. Every model, every strategy. -------------------------------------------------------
 
 # Where each model's annotations put things under the default strategy ("annotated").
-DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves", *FAMILIES}
+DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves", *FAMILIES, *THIRD_PARTY}
 # Declared "offload" by the model.
 NAMES = {"encoder": "block_output", "vit": "mlp_hidden", **FAMILY_NAMES}
 
