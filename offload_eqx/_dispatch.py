@@ -20,7 +20,7 @@ from jax.core import Tracer
 
 from ._call_errors import call_problem
 from ._compile import Misplaced, NewArgumentTypes, types_of
-from ._errors import ImplicitTransferError, is_placement_mismatch
+from ._errors import ImplicitTransferError, UnhashableStaticError, is_placement_mismatch
 from ._guard import explain, no_implicit_transfers
 from ._interrupts import hold, release
 from ._plan_walk import ARRAY_TYPES
@@ -114,7 +114,7 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
     try:
         entry = entries.get(key)
     except TypeError as e:
-        raise TypeError(
+        raise UnhashableStaticError(
             f"ox.filter_jit({describe(_get(self, 'fn'))}): a non-array argument is not "
             f"hashable ({e}). Non-array leaves are static (part of the compile cache key), so "
             "they must be hashable: pass arrays for values that change, or make the object "

@@ -68,6 +68,12 @@ class ImplicitTransferError(RuntimeError):
     """
 
 
+class UnhashableStaticError(TypeError, ValueError):
+    """A non-array argument that cannot be part of the compile cache key. A `TypeError`,
+    as Python calls an unhashable value, and a `ValueError`, as `jax.jit` and
+    `eqx.filter_jit` raise it (code that catches theirs catches this one)."""
+
+
 # JAX's words for a primitive whose operands are in different memory spaces
 # (`ValueError: memory_space of all inputs passed to dot_general must be the same`).
 _MIXED_MEMORY_SPACES = "memory_space of all inputs passed to"

@@ -497,3 +497,73 @@ def test_a_device_output_shaped_like_a_donated_host_leaf_is_not_aliased_to_it():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["3", "3", "pinned_host"]
+
+
+# -- Errors: the same exception types (ours may be a subclass, with a message in paths).
+
+
+def _wrong_shapes(wrap):
+    wrap(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((2, 3)))
+
+
+def _unhashable_static(wrap):
+    wrap(lambda x, table: x * table["a"])(jnp.ones(2), {"a": {1.0}})
+
+
+def _donated_input_used_again(wrap):
+    step = wrap(lambda m: {"w": m["w"] + 1}, donate="all")
+    model = {"w": jnp.ones(3)}
+    step(model)
+    step(model)
+
+
+def _python_error_in_the_function(wrap):
+    def f(x):
+        raise KeyError("no such layer")
+
+    wrap(f)(jnp.ones(2))
+
+
+def _bool_of_a_tracer(wrap):
+    wrap(lambda x: x if x > 0 else -x)(jnp.ones(()))
+
+
+def _missing_argument(wrap):
+    wrap(lambda x, y: x + y)(jnp.ones(2))
+
+
+def _bad_donate_value(wrap):
+    wrap(lambda x: x, donate="some")
+
+
+def _not_callable(wrap):
+    wrap(3)
+
+
+def _error_if(wrap):
+    wrap(lambda x: eqx.error_if(x, x > 0, "positive"))(jnp.ones(2))
+
+
+ERRORS = {
+    f.__name__.lstrip("_"): f
+    for f in (
+        _wrong_shapes,
+        _unhashable_static,
+        _donated_input_used_again,
+        _python_error_in_the_function,
+        _bool_of_a_tracer,
+        _missing_argument,
+        _bad_donate_value,
+        _not_callable,
+        _error_if,
+    )
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_same_errors_as_eqx_filter_jit(name: str):
+    with pytest.raises(Exception) as theirs:
+        ERRORS[name](eqx.filter_jit)
+    with pytest.raises(Exception) as ours:
+        ERRORS[name](ox.filter_jit)
+    assert isinstance(ours.value, type(theirs.value)), (ours.value, theirs.value)
