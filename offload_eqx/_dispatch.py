@@ -166,6 +166,9 @@ def _execute(self, entry, key, args, kwargs, dynamic) -> Any:
             return entry.rebuild(_run(entry, entry.moved(dynamic)))
         if not is_placement_mismatch(e):
             raise
+        if self.mesh_changed(entry, args, kwargs):  # planned again for their mesh
+            entry = self._compile_new(key, args, kwargs, dynamic)
+            return entry.rebuild(_run(entry, entry.moved(dynamic)))
         # Arguments not yet where the plan puts them (a new strategy on a model placed for
         # another): move them once, explicitly; the outputs come back in planned memory,
         # so the next call moves nothing. Under audit, a cached step that keeps receiving

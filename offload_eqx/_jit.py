@@ -27,7 +27,7 @@ from ._compile import (
 from ._dispatch import Method, as_pytree, bind, call, describe, root_of, split
 from ._errors import ImplicitTransferError
 from ._jit_cache import Cache, cache_of
-from ._mesh import check_mesh
+from ._mesh import check_mesh, resolve_mesh
 from ._plan import Plan
 from ._plan_walk import ARRAY_TYPES, format_keys
 from ._strategy import Strategy, resolve_strategy
@@ -244,9 +244,15 @@ class FilterJit(eqx.Module):
             entry = entry.get(types_of(dynamic))
         elif entry is not None and entry.types != types_of(dynamic):
             entry = None
-        if entry is None:
+        if entry is None or self.mesh_changed(entry, args, kwargs):
             entry = self._compile_new(key, args, kwargs, dynamic)
         return entry, dynamic
+
+    def mesh_changed(self, entry: Compilation, args: tuple, kwargs: dict) -> bool:
+        """Whether these arguments are on another mesh than the one `entry` was planned
+        for (the cache key holds no mesh: the same step compared on two targets, or
+        moved to another mesh, is planned again)."""
+        return resolve_mesh(self.arguments(*args, **kwargs), self.mesh) != entry.plan.mesh
 
     def compilation(self, *args: Any, **kwargs: Any) -> tuple[Compilation, list]:
         """The cache entry for these arguments and their array leaves (for reports and

@@ -534,3 +534,24 @@ def test_sharding_constraints_inside_the_step_are_kept():
             out = step(jnp.zeros(16))
             assert out.sharding.is_equivalent_to(sharded, 1), out.sharding
             np.testing.assert_array_equal(out, expected)
+
+
+@on_eight_devices
+def test_one_step_on_two_meshes_is_planned_for_each():
+    """The compile cache is the function's and its key holds no mesh: a step called with
+    arrays on another mesh (or two wrappers of it, one per mesh) is planned for that
+    mesh, not moved back to the first one's (issue 25)."""
+
+    def step(model, x):
+        return jax.tree.map(lambda w: w * 2, model), x.sum()
+
+    outputs = []
+    for shape in ((2, 4), (1, 8)):
+        mesh = _mesh(shape=shape)
+        fsdp = NamedSharding(mesh, P(None, "fsdp"))
+        model = {"w": jax.device_put(jnp.ones((4, 16)), fsdp)}
+        x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+        new, _ = ox.filter_jit(step)(model, x)
+        assert new["w"].sharding.mesh == mesh, new["w"].sharding
+        outputs.append(new)
+    np.testing.assert_array_equal(outputs[0]["w"], outputs[1]["w"])
