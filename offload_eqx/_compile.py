@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 import numpy as np
-from jax.core import Tracer, eval_jaxpr
+from jax.core import eval_jaxpr
 
 from ._errors import is_host_use_error
 from ._host_compute import check_host_compute, on_host_if_cheap
@@ -243,16 +243,6 @@ def abstract_arguments(plan: Plan, dynamic: Sequence[Any]) -> list[jax.ShapeDtyp
     ]
 
 
-def device_of(leaves: Sequence[Any]) -> Any:
-    """The device of the first single-device array among `leaves` (else the default)."""
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
-            devices = leaf.sharding.device_set
-            if len(devices) == 1:
-                return next(iter(devices))
-    return jax.devices()[0]
-
-
 def places_on_devices(closed: Any) -> bool:
     """Whether a traced program says where its values go among devices (a
     `with_sharding_constraint` or `eqx.filter_shard` over several devices, a
@@ -332,7 +322,7 @@ def compile_entry(
     if placing[0] is not None:
         closed = jax.jit(program).trace(*abstract).jaxpr
     plan.check_offloads(closed.jaxpr)
-    platform = device_of(dynamic).platform
+    platform = plan.device.platform
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
     donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root)
@@ -340,7 +330,7 @@ def compile_entry(
     # for its device arguments and results (None), as under `jax.jit`.
     to_jit = plan.mesh is None and places_on_devices(closed)
     out_shardings = plan.output_shardings(
-        out_treedef, out_mask, out_avals, device_of(dynamic), created, donated, to_jit
+        out_treedef, out_mask, out_avals, plan.device, created, donated, to_jit
     )
     jitted = jax.jit(
         program,

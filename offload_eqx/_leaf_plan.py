@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
@@ -50,9 +51,23 @@ class LeafPlan:
 
 
 def current_sharding(leaf: Any) -> Any:
-    if isinstance(leaf, Tracer):
-        return None  # a call inside another trace: the outer program decides
+    """Where a leaf is now, if that is decided: not for a tracer (a call inside another
+    trace: the outer program decides) nor for an uncommitted array (as under `jax.jit`,
+    it goes where the committed arguments are)."""
+    if isinstance(leaf, Tracer) or not getattr(leaf, "_committed", True):
+        return None
     return getattr(leaf, "sharding", None)
+
+
+def committed_device(leaves: Any) -> Any:
+    """The device of the first committed single-device array among `leaves`, where the
+    uncommitted ones go (None: there is none)."""
+    for leaf in leaves:
+        sharding = current_sharding(leaf)
+        devices = getattr(sharding, "device_set", ())
+        if isinstance(leaf, jax.Array) and len(devices) == 1:
+            return next(iter(devices))
+    return None
 
 
 def effective_memory(

@@ -165,12 +165,15 @@ def check_spec(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: AnyMe
         raise ValueError(problem)
 
 
-def leaf_sharding(entry: dict[str, Any], mesh: AnyMesh | None, specs_need_a_mesh: bool) -> Any:
+def leaf_sharding(
+    entry: dict[str, Any], mesh: AnyMesh | None, specs_need_a_mesh: bool, device: Any
+) -> Any:
     """A leaf's planned sharding (`entry` holds its `path`, `shape`, `role`, planned
     `memory`, declared `spec` and `current` sharding): over the mesh a `NamedSharding`
     with its spec (a leaf without one keeps the spec it has on this mesh, or is
     replicated; an optimizer-state leaf the mirrored spec does not fit is replicated);
-    off a mesh its current sharding in its planned memory."""
+    off a mesh its current sharding in its planned memory (on `device` when it has none
+    yet: an uncommitted array, an abstract one)."""
     memory, current, spec = entry["memory"], entry["current"], entry["spec"]
     if mesh is not None:
         memory = memory or getattr(current, "memory_kind", None) or "device"
@@ -186,7 +189,7 @@ def leaf_sharding(entry: dict[str, Any], mesh: AnyMesh | None, specs_need_a_mesh
     if spec is not None and entry["role"] != "optimizer" and specs_need_a_mesh:
         raise ValueError(_NO_MESH.format(path=entry["path"], spec=spec))
     if current is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory or "device")
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory or "device")
     if memory is None or current.memory_kind == memory:
         return current
     return current.with_memory_kind(memory)

@@ -21,7 +21,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._activations import LayerSplit, Policy, policies_of
-from ._leaf_plan import LeafPlan, current_sharding, effective_memory, mirror_states
+from ._leaf_plan import (
+    LeafPlan,
+    committed_device,
+    current_sharding,
+    effective_memory,
+    mirror_states,
+)
 from ._memory_space import is_host_aval
 from ._mesh import AnyMesh, leaf_sharding, output_sharding, resolve_mesh
 from ._plan_print import format_plan
@@ -68,6 +74,9 @@ class Plan:
         self.strategy = strategy
         # The mesh is given once; later calls find it on the arrays placed over it.
         self.mesh: AnyMesh | None = resolve_mesh(roots, mesh)
+        # Off a mesh, the device of the committed arguments (uncommitted ones follow).
+        arrays = (x for _, tree in roots for x in jax.tree_util.tree_leaves(tree))
+        self.device = committed_device(arrays) or jax.devices()[0]
         self.roots: tuple[str, ...] = tuple(label for label, _ in roots)
         found = Annotations()
         for label, tree in roots:
@@ -110,7 +119,7 @@ class Plan:
             self.mesh is not None,
             # `specs_need_a_mesh` is False where only memories are asked for (an optimizer
             # state initialised under `eqx.filter_eval_shape`, which has no mesh).
-            lambda entry: leaf_sharding(entry, self.mesh, specs_need_a_mesh),
+            lambda entry: leaf_sharding(entry, self.mesh, specs_need_a_mesh, self.device),
         )
         self.leaves: tuple[LeafPlan, ...] = tuple(
             LeafPlan(**{k: v for k, v in e.items() if k != "current"}, sharding=s)

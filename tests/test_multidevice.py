@@ -477,12 +477,13 @@ def test_arguments_on_two_devices_are_named_by_path():
     leaf, its device and the fix (issue 17, item 7)."""
     from offload_eqx._call_errors import is_incompatible_devices
 
-    step = ox.filter_jit(lambda model, x: jax.vmap(model)(x))
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
     x = jax.device_put(jnp.ones((3, 4)), jax.devices()[1])
     # An uncommitted model follows the committed batch, as under `jax.jit` (issue 25).
-    assert step(model, x).sharding.device_set == {jax.devices()[1]}
+    follows = ox.filter_jit(lambda model, x: jax.vmap(model)(x))
+    assert follows(model, x).sharding.device_set == {jax.devices()[1]}
     # Committed to another device than the batch: the two conflict.
+    step = ox.filter_jit(lambda model, x: jax.vmap(model)(x))
     model = jax.tree.map(
         lambda a: jax.device_put(a, jax.devices()[0]) if eqx.is_array(a) else a, model
     )
