@@ -63,9 +63,12 @@ def committed_device(leaves: Any) -> Any:
     """The device of the first committed single-device array among `leaves`, where the
     uncommitted ones go (None: there is none)."""
     for leaf in leaves:
-        sharding = current_sharding(leaf)
-        devices = getattr(sharding, "device_set", ())
-        if isinstance(leaf, jax.Array) and len(devices) == 1:
+        # Only a concrete array has devices: a `jax.ShapeDtypeStruct`'s sharding may be on
+        # an abstract mesh, whose `device_set` raises.
+        if not isinstance(leaf, jax.Array):
+            continue
+        devices = getattr(current_sharding(leaf), "device_set", ())
+        if len(devices) == 1:
             return next(iter(devices))
     return None
 
