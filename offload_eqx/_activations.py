@@ -1,6 +1,7 @@
 """Named activations and the per-name policy: keep on device, offload to host, or recompute."""
 
 import dataclasses
+import operator
 from typing import Any, Literal, get_args
 
 import equinox as eqx
@@ -55,25 +56,32 @@ def policies_of(policy: "Policy | LayerSplit") -> tuple[Policy, ...]:
     return policy.policies() if isinstance(policy, LayerSplit) else (policy,)
 
 
+def _layer_count(value: object) -> int | None:
+    """`value` as a Python int when it is an integer of any kind (`10`, `np.int64(10)`,
+    as the planners give them), not a bool; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def check_layer_split(name: str, value: object, *, where: str) -> "Policy | LayerSplit":
     """A policy, or `(first, layers, rest)` as a `LayerSplit`, checked."""
     if isinstance(value, LayerSplit):
         value = (value.first, value.layers, value.rest)
     if isinstance(value, tuple):
-        if (
-            len(value) != 3
-            or not isinstance(value[1], int)
-            or isinstance(value[1], bool)
-            or value[1] < 0
-        ):
+        layers = _layer_count(value[1]) if len(value) == 3 else None
+        if layers is None or layers < 0:
             raise ValueError(
                 f"{where} gives activation {name!r} the policy {value!r}; a policy split by "
-                "layers is `(policy in the first layers, how many layers, policy in the "
-                "rest)`, e.g. `('save', 10, 'offload')`."
+                "layers is `(policy in the first layers, how many layers (an integer, 0 or "
+                "more), policy in the rest)`, e.g. `('save', 10, 'offload')`."
             )
         check_policy(name, value[0], where=where)
         check_policy(name, value[2], where=where)
-        return LayerSplit(value[0], value[1], value[2])
+        return LayerSplit(value[0], layers, value[2])
     check_policy(name, value, where=where)
     return value  # type: ignore[return-value]
 

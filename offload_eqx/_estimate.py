@@ -40,6 +40,7 @@ import numpy as np
 from ._audit import audit_traced
 from ._calibrate import cpu_speeds
 from ._flops import PhaseWork, count_work
+from ._host_compute import check_host_compute
 from ._jit import FilterJit, filter_jit
 from ._memory_report import memory_report
 from ._options import checks_options
@@ -337,6 +338,9 @@ def estimate_from(
 ) -> StepEstimate:
     speeds = speeds_of(target)
     costs = costs or trace_costs(step, args, kwargs, speeds)
+    # Refused here as `memory_report` refuses it, not priced for a target that cannot run it.
+    if costs.jaxpr is not None:
+        check_host_compute(costs.jaxpr, target.platform, f"target {target.name!r}")
     seconds, phases = predict(load_of(costs), speeds)
     device = host = None
     if compile:

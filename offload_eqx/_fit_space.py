@@ -103,7 +103,9 @@ class Choice:
             optimizer=_leafwise("pinned_host" if host else self.optimizer),
             activations=self.base,  # type: ignore[arg-type]
             names=names,
-            update="host" if host else "annotated",
+            # Where the update runs is the search's choice, never the declaration's:
+            # "device" and "pinned_host" state are updated on the device.
+            update="host" if host else "device",
         )
 
     @property

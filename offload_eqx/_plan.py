@@ -46,6 +46,15 @@ _OFFLOADS_NOTHING = (
 )
 
 
+_UNMATCHED_PATTERNS = (
+    "Strategy {strategy!r} has {attr} patterns that match no managed {noun} leaf: "
+    "{patterns}, so they place nothing. The managed {noun} leaves are {paths}. A pattern "
+    "is a glob over the whole leaf path (`'*.w1'` matches `model.layers.w1`; an "
+    "optimizer-state pattern may match the path of the parameter the leaf mirrors): fix "
+    "the pattern, or drop it."
+)
+
+
 class Plan:
     """Placements of the array leaves of some pytrees, and the activation policy.
 
@@ -337,6 +346,7 @@ class Plan:
         the arguments, or among the outputs the step creates (`created`, from
         `outputs`)."""
         strategy = self.strategy
+        self._check_patterns([leaf for leaf in (*self.leaves, *created) if leaf is not None])
         roles = {leaf.role for leaf in (*self.leaves, *created) if leaf is not None}
         asked = []
         if strategy.puts_on_host("param"):
@@ -371,6 +381,29 @@ class Plan:
         raise ValueError(
             _OFFLOADS_NOTHING.format(strategy=strategy.name, what=what, missing=missing, fix=fix)
         )
+
+    def _check_patterns(self, leaves: Sequence[Any]) -> None:
+        """Each leaf pattern of the strategy matches some managed leaf of its role (a
+        mistyped pattern would otherwise leave its leaves where they were declared)."""
+        for role, attr, noun in (
+            ("param", "params", "parameter"),
+            ("optimizer", "optimizer", "optimizer-state"),
+        ):
+            mine = [leaf for leaf in leaves if leaf.role == role]
+            paths = [p for leaf in mine for p in (leaf.path, leaf.mirrors) if p is not None]
+            unmatched = self.strategy.unmatched(role, paths) if mine else []
+            if unmatched:
+                shown = ", ".join(f"`{leaf.path}`" for leaf in mine[:4])
+                more = f" and {len(mine) - 4} more" if len(mine) > 4 else ""
+                raise ValueError(
+                    _UNMATCHED_PATTERNS.format(
+                        strategy=self.strategy.name,
+                        attr=attr,
+                        patterns=", ".join(repr(p) for p in unmatched),
+                        noun=noun,
+                        paths=shown + more,
+                    )
+                )
 
     def check_names(self, inside_regions: set[str], outside_regions: set[str], regions: int):
         """After a trace: every declared name must have been produced inside a region."""

@@ -2,7 +2,7 @@
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 from ._activations import LayerSplit, Policy, check_layer_split
@@ -60,9 +60,10 @@ class Strategy:
         (`ox.activations`), or the step raises naming it. Stored as sorted `(name,
         policy)` pairs: a strategy stays hashable.
     - `update`: where the update of `ox.offload_optimizer`'s state runs: `"annotated"`
-        (as its `update_on=` says), `"device"`, or `"host"` (the state stays in host
-        memory, scalars too, and only gradients and updates cross the link). `"host"`
-        needs `optimizer` other than `"device"`.
+        (as its `update_on=` says, except that `optimizer="device"` updates on the
+        device), `"device"`, or `"host"` (the state stays in host memory, scalars too,
+        and only gradients and updates cross the link). `"host"` needs `optimizer`
+        other than `"device"`.
     """
 
     name: str
@@ -109,8 +110,13 @@ class Strategy:
             )
 
     def update_of(self, declared: str) -> str:
-        """Where this strategy runs an optimizer update declared to run on `declared`."""
-        return declared if self.update == "annotated" else self.update
+        """Where this strategy runs an optimizer update declared to run on `declared`:
+        as `update` says, or where the state lives when the strategy keeps all of it on
+        the device (`"baseline"`, `optimizer="device"`: a host update would move the
+        state to the host), else as declared."""
+        if self.update != "annotated":
+            return self.update
+        return "device" if self.optimizer == "device" else declared
 
     @property
     def name_policies(self) -> dict[str, "Policy | LayerSplit"]:
@@ -138,6 +144,18 @@ class Strategy:
             if any(fnmatch.fnmatchcase(p, pattern) for p in paths):
                 return declared if memory == "annotated" else memory
         return declared
+
+    def unmatched(self, role: str, paths: "Sequence[str]") -> list[str]:
+        """The leaf patterns of `role` ("param" or "optimizer") that match none of
+        `paths` (empty when the mode is not a mapping of patterns)."""
+        mode = self.params if role == "param" else self.optimizer
+        if isinstance(mode, str):
+            return []
+        return [
+            pattern
+            for pattern, _ in mode
+            if not any(fnmatch.fnmatchcase(p, pattern) for p in paths)
+        ]
 
     def puts_on_host(self, role: str) -> bool:
         """Whether this strategy moves some managed leaves of `role` to host memory."""

@@ -20,7 +20,9 @@ A GPU target is described by an XLA `GpuTargetConfig` text proto shipped in
 import dataclasses
 import pathlib
 import re
-from typing import Literal
+from typing import Literal, get_args
+
+import numpy as np
 
 Platform = Literal["cpu", "cuda", "tpu"]
 
@@ -65,6 +67,20 @@ class Speeds:
     host_memory: int
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "source":
+                continue
+            if not _positive(value) or (field.name == "efficiency" and value > 1):
+                allowed = "a fraction in (0, 1]" if field.name == "efficiency" else "a number > 0"
+                raise ValueError(
+                    f"ox.Speeds({field.name}={value!r}): expected {allowed}"
+                    f"{' of bytes' if field.name == 'host_memory' else ''}. Each rate "
+                    "divides a step's work, so a zero, negative or missing one cannot "
+                    "price it; take the chip's published figure (see `ox.TARGETS`' own)."
+                )
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -95,6 +111,9 @@ class Target:
     capacity: int | None = None
     speeds: Speeds | None = None
 
+    def __post_init__(self) -> None:
+        _check_target(self)
+
     @property
     def deviceless(self) -> bool:
         return self.platform != "cpu"
@@ -102,6 +121,46 @@ class Target:
     @property
     def extra(self) -> str | None:
         return _EXTRAS[self.platform][1] if self.platform in _EXTRAS else None
+
+
+def _positive(value: object) -> bool:
+    """A finite real number above zero (not a bool)."""
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and bool(np.isfinite(value))
+        and value > 0
+    )
+
+
+def _check_target(target: "Target") -> None:
+    """`ValueError` for a target that cannot compile: checked where it is made, not when
+    a compile goes through another compiler's default."""
+    where = f"ox.Target({target.name!r}, {target.platform!r}, ...)"
+    if not isinstance(target.name, str) or not target.name:
+        raise ValueError(f"ox.Target(name={target.name!r}): a target needs a non-empty name.")
+    if target.platform not in get_args(Platform):
+        raise ValueError(
+            f"{where}: unknown platform {target.platform!r}; expected one of "
+            f"{', '.join(map(repr, get_args(Platform)))} ('cuda' compiles with XLA:GPU "
+            "for an NVIDIA GPU, 'tpu' with XLA:TPU, 'cpu' on this machine)."
+        )
+    if target.platform == "cuda" and not re.fullmatch(r"\d+x\d+x\d+", target.topology):
+        raise ValueError(
+            f"{where}: topology {target.topology!r}; a GPU topology is "
+            "'<slices>x<hosts>x<gpus per host>', e.g. '1x1x8' for one host with 8 GPUs."
+        )
+    if target.platform == "tpu" and not target.topology:
+        raise ValueError(f"{where}: a TPU target needs libtpu's topology name, e.g. 'v5p:2x2x1'.")
+    if target.capacity is not None and not (
+        isinstance(target.capacity, (int, np.integer)) and target.capacity > 0
+    ):
+        raise ValueError(
+            f"{where}: capacity={target.capacity!r}; expected the device's memory in bytes "
+            "(an integer > 0, e.g. 80 * 2**30), or None when unknown."
+        )
+    if target.speeds is not None and not isinstance(target.speeds, Speeds):
+        raise ValueError(f"{where}: speeds={target.speeds!r}; expected an `ox.Speeds` or None.")
 
 
 def _gpu_capacity(config: str) -> int:

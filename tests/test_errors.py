@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import Layer, ScannedModel, make_optimizer, make_step, scanned_model
 
@@ -380,6 +381,45 @@ def _case_updates_of_another_model(model, opt_state):
     ox.apply_updates(model, scanned_model(jax.random.key(1), width=8, hidden=8))
 
 
+# Issue 26, items 7-10: strategies, targets and planners given odd input.
+
+
+def _case_strategy_pattern_matching_nothing(model, opt_state):
+    strategy = ox.Strategy("typo", params={"*.w_1": "pinned_host"})
+    step = make_step(make_optimizer(), strategy, donate="all")
+    step(model, opt_state, jnp.ones((3, 16)))
+
+
+def _case_target_unknown_platform(model, opt_state):
+    ox.Target("my-gpu", "gpu")  # type: ignore[arg-type]
+
+
+def _case_target_gpu_topology(model, opt_state):
+    ox.Target("my-gpu", "cuda", "8", "h100.txtpb")
+
+
+def _case_target_negative_capacity(model, opt_state):
+    ox.Target("small", "cpu", capacity=-5)
+
+
+def _case_speeds_zero_flops(model, opt_state):
+    ox.Speeds(0.0, 0.5, 1e12, 1e10, 1e10, 1e12, 1e11, 2**40)
+
+
+def _case_speeds_efficiency_above_one(model, opt_state):
+    ox.Speeds(1e15, 50, 1e12, 1e10, 1e10, 1e12, 1e11, 2**40)
+
+
+def _case_layer_split_float_count(model, opt_state):
+    ox.Strategy("split", names={"h": ("save", 2.5, "offload")})
+
+
+def _case_host_update_estimated_for_a_tpu(model, opt_state):
+    opt = ox.offload_optimizer(optax.adam(1e-3), update_on="host")
+    step = make_step(opt, "annotated", donate="all")
+    ox.estimate(step, model, opt.init(model), jnp.ones((3, 16)), target="tpu-v5p", compile=False)
+
+
 def optax_adam_factory():
     import optax
 
@@ -460,6 +500,27 @@ BAD_INPUTS = [
         _case_max_batch_string_device_budget,
         TypeError,
         r"'8GiB' reads as 8 GiB, 8_589_934_592 bytes: pass `device_budget=8 \* 2\*\*30`",
+    ),
+    (
+        _case_strategy_pattern_matching_nothing,
+        ValueError,
+        r"Strategy 'typo' has params patterns that match no managed parameter leaf: "
+        r"'\*.w_1'.*`model.layers.w1`.*fix the pattern, or drop it",
+    ),
+    (_case_target_unknown_platform, ValueError, r"unknown platform 'gpu'; expected one of"),
+    (_case_target_gpu_topology, ValueError, r"topology '8'.*'1x1x8'"),
+    (_case_target_negative_capacity, ValueError, r"capacity=-5; expected the device's memory"),
+    (_case_speeds_zero_flops, ValueError, r"ox.Speeds\(flops=0.0\): expected a number > 0"),
+    (
+        _case_speeds_efficiency_above_one,
+        ValueError,
+        r"ox.Speeds\(efficiency=50\): expected a fraction in \(0, 1\]",
+    ),
+    (_case_layer_split_float_count, ValueError, r"how many layers \(an integer, 0 or more\)"),
+    (
+        _case_host_update_estimated_for_a_tpu,
+        ValueError,
+        r"computes on the host.*target 'tpu-v5p' does not support.*update='device'",
     ),
     (
         _case_estimate_string_compile,

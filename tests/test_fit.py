@@ -247,3 +247,17 @@ def test_an_unsearched_part_is_explained_by_a_whole_sentence():
     cut = _first_sentence(long, limit=100)
     assert cut.endswith(" ...") and len(cut) <= 104 and "Then" not in cut
     assert _first_sentence(long) == long.split(". ")[0]
+
+
+def test_an_optimizer_declared_on_the_host_is_searched_on_the_device_where_the_target_cannot():
+    """An optimizer made with `update_on="host"` ran its update on the host under every
+    plan `ox.fit` tried, and XLA:TPU refuses host computations: every compile failed and
+    fit said "no plan fits" (issue 26, item 9). The search decides where the update runs."""
+    tiny = decoder.Config("tiny", vocab=64, dim=32, ffn=64, layers=2, heads=2, seq=16)
+    model, opt_state = decoder.abstract_state(tiny, "hybrid_host_update")
+    tokens = jax.ShapeDtypeStruct((2, tiny.seq + 1), jnp.int32)
+    step = decoder.make_step(decoder.make_optimizer(update_on="host"), "annotated")
+    result = ox.fit(step, model, opt_state, tokens, target="tpu-v5p", max_compiles=2)
+    assert result.strategy.update == "device"
+    with pytest.raises(ValueError, match=r"target 'tpu-v5p' does not support"):
+        ox.estimate(step, model, opt_state, tokens, target="tpu-v5p", compile=False)
