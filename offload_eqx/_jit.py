@@ -44,10 +44,32 @@ _STATIC_RECOMPILE = (
     "values that change (`jnp.asarray(...)`)."
 )
 _CACHE_GROWS = (
-    "ox.filter_jit({name}) has compiled {count} versions of the step; the static "
-    "(non-array) leaves that differ between them include {leaves}. Every new static value "
-    "compiles again and keeps its program in memory: pass arrays for values that change."
+    "ox.filter_jit({name}) has compiled {count} versions of the step, and keeps each "
+    "program in memory. {why} `step.compilations` counts them; `ox.clear_caches()` "
+    "frees them."
 )
+_STATICS_DIFFER = (
+    "The static (non-array) leaves that differ between them include {leaves}: every new "
+    "static value compiles again, so pass arrays for values that change."
+)
+_SHAPES_DIFFER = (
+    "{count} of them differ only in the shapes or dtypes of their arrays (a batch size or "
+    "sequence length per call compiles once per size): pad or bucket them to a few sizes."
+)
+
+
+def _cache_grows(name: str, keys: list, changed: str) -> str:
+    """Why a wrapper keeps compiling: the statics that changed, or the shapes (keys that
+    repeat: the same static part compiled for other shapes)."""
+    reshaped = len(keys) - len(set(keys))
+    why = []
+    if changed:
+        why.append(_STATICS_DIFFER.format(leaves=changed))
+    if reshaped:
+        why.append(_SHAPES_DIFFER.format(count=reshaped + 1))
+    if not why:
+        why.append("Their arguments differ in structure (other trees or options).")
+    return _CACHE_GROWS.format(name=name, count=len(keys), why=" ".join(why))
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
@@ -169,16 +191,16 @@ class FilterJit(eqx.Module):
         mine = self.cache.compiled_by.setdefault(id(self), [])
         similar = [k for k in mine if k[:2] == key[:2] and k != key]
         mine.append(key)
+        changed = ""
         if similar:
             roots = self.arguments(*args, **kwargs)
             changed = _changed_statics(roots, similar[-1][2], key[2])
             if self.audit and changed:
                 raise ImplicitTransferError(_STATIC_RECOMPILE.format(name=name, leaves=changed))
-            if len(entries) + 1 == CACHE_WARNING:
-                warnings.warn(
-                    _CACHE_GROWS.format(name=name, count=CACHE_WARNING, leaves=changed or "none"),
-                    stacklevel=4,
-                )
+        # Counted in programs, whatever made them differ: new static values, new shapes
+        # (a batch size per call) or new structures.
+        if len(mine) == CACHE_WARNING:
+            warnings.warn(_cache_grows(name, mine, changed), stacklevel=4)
         plan = self.plan(*args, **kwargs)
         keep_root = None
         if self.donate.endswith("except-first") and args:

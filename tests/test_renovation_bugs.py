@@ -202,6 +202,22 @@ def test_the_cache_key_holds_shapes_and_warns_when_statics_keep_changing():
     assert any("compiled 32 versions" in m and "`scale` (" in m for m in messages), messages
 
 
+def test_a_new_batch_size_per_call_warns_when_programs_pile_up():
+    """40 batch sizes kept 40 programs with no warning: only new static values were
+    counted (issue 26, item 13)."""
+    step = ox.filter_jit(lambda x: x * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for size in range(1, ox._jit.CACHE_WARNING + 1):
+            step(jnp.ones(size))
+    messages = [str(w.message) for w in caught]
+    assert step.compilations == ox._jit.CACHE_WARNING
+    assert len(messages) == 1, messages
+    assert "compiled 32 versions" in messages[0]
+    assert "32 of them differ only in the shapes" in messages[0]
+    assert "pad or bucket" in messages[0]
+
+
 def test_under_audit_a_changing_static_leaf_is_an_error():
     step = ox.filter_jit(lambda x, scales: x * scales[0], audit=True)
     x = jnp.ones(3)
