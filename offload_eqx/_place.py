@@ -12,10 +12,30 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ._memory_space import to_host, type_matches
 from ._mesh import AnyMesh, check_mesh, check_spec, put, resolve_mesh, typed
 from ._placement import check_memory
-from ._plan import Plan
+from ._plan import Plan, format_path
 from ._plan_walk import format_keys
 from ._strategy import Strategy
 from ._trace_state import active_plan
+
+_DELETED_LEAF = (
+    "{caller}: `{path}` has been deleted: it was donated to a step (`donate=`), whose "
+    "outputs replaced it, or `.delete()`d. {fix}"
+)
+_PLACE_OUTPUTS = (
+    "Place the step's outputs, which replace the donated inputs: after `model, "
+    "opt_state, loss = step(model, opt_state, x)`, `ox.place(model, ...)`; or place the "
+    "tree before a step donates it."
+)
+
+
+def check_not_deleted(tree: Any, root: str, caller: str, fix: str) -> None:
+    """A `ValueError` naming the first array leaf of `tree` whose buffer is gone (donated
+    or deleted), raised before any work: JAX's own "Array has been deleted" names no leaf,
+    and comes only after some leaves were moved or written."""
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
+            path = format_path(root, keys)
+            raise ValueError(_DELETED_LEAF.format(caller=caller, path=path, fix=fix))
 
 
 def _retyped(moved: jax.Array, sharding: Any) -> jax.Array:
@@ -45,7 +65,11 @@ def place(
 
     Leaves that nothing manages stay where they are. Each move is one explicit
     `jax.device_put`; leaves already in place are not copied. Returns a new pytree.
+
+    **Raises:** `ValueError` naming the first leaf that has been deleted (donated to a
+    step), before anything moves: place the step's outputs instead.
     """
+    check_not_deleted(tree, "tree", "ox.place", _PLACE_OUTPUTS)
     shardings = Plan([("tree", tree)], strategy, mesh).tree_shardings(0)
 
     def move(leaf, sharding):

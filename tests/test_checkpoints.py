@@ -5,6 +5,7 @@ of a run that was never interrupted, bit for bit."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,213 @@ def test_resumed_in_a_new_process_equals_an_uninterrupted_run(tmp_path, fmt):
     if fmt == "orbax":
         (tmp_path / "ckpt").rmdir()  # Orbax writes the checkpoint directory itself
     assert_resumed_equals_straight(tmp_path, fmt, "one")
+
+
+# -- faults that fail loudly, naming the checkpoint, the leaf and the fix -------------------
+
+
+def _tiny():
+    """Two leaves: `w` is 2 KiB of random bits (over Orbax's 1 KiB inline limit, and not
+    compressible, so its bytes lie as they are in a data file), `b` is inlined."""
+    return {"w": jax.random.bits(jax.random.key(0), (512,), jnp.uint32), "b": [jnp.zeros(3)]}
+
+
+def _data_file(checkpoint, leaf):
+    """The file of `checkpoint` that holds the bytes of `leaf`, and where they start."""
+    window = np.asarray(leaf).tobytes()[800:832]
+    for file in sorted(Path(checkpoint).rglob("*")):
+        if file.is_file() and window in file.read_bytes():
+            return file, file.read_bytes().index(window)
+    raise AssertionError(f"no file of {checkpoint} holds the leaf's bytes")
+
+
+def _saved_run(tmp_path):
+    """`run/step_1`, a complete checkpoint of `_tiny()`."""
+    ox.save_checkpoint(tmp_path / "run" / "step_1", _tiny())
+    return tmp_path / "run"
+
+
+def _unfinished(run, name):
+    """`run/name`, a copy of `step_1` left as described by `name`."""
+    if name == "missing":
+        return run / "step_2"
+    if name == "killed_mid_save":  # Orbax writes into a temporary directory, renamed last
+        shutil.copytree(run / "step_1", run / "step_2.orbax-checkpoint-tmp-1700000000")
+        for finished in ("_METADATA", "_CHECKPOINT_METADATA", "commit_success.txt"):
+            (run / "step_2.orbax-checkpoint-tmp-1700000000" / finished).unlink()
+        return run / "step_2"
+    shutil.copytree(run / "step_1", run / "step_2")
+    if name == "without_metadata":
+        (run / "step_2" / "_METADATA").unlink()
+    else:  # damaged_metadata
+        (run / "step_2" / "_METADATA").write_text('{"tree_metadata": {"(\'w\',)"')
+    return run / "step_2"
+
+
+UNFINISHED = {
+    "missing": (FileNotFoundError, r"`.*run/step_2` does not exist"),
+    "killed_mid_save": (
+        FileNotFoundError,
+        r"does not exist; only `step_2.orbax-checkpoint-tmp-1700000000` does, .*interrupted",
+    ),
+    "without_metadata": (ValueError, r"`.*run/step_2` is not a complete .*no `_METADATA`"),
+    "damaged_metadata": (ValueError, r"`.*run/step_2` is damaged: Orbax could not read"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNFINISHED))
+def test_restoring_no_complete_checkpoint_says_what_is_missing_and_which_are_complete(
+    tmp_path, name
+):
+    """It was `AttributeError: 'NoneType' object has no attribute 'tree'` for each."""
+    run = _saved_run(tmp_path)
+    path = _unfinished(run, name)
+    error, words = UNFINISHED[name]
+    with pytest.raises(error, match=words) as raised:
+        ox.restore_checkpoint(path, jax.eval_shape(_tiny))
+    assert "Complete checkpoints in" in str(raised.value)
+    assert (
+        "`step_1`" in str(raised.value)
+        and "`step_2" not in str(raised.value).split("Complete checkpoints in")[1]
+    )
+
+
+def test_a_truncated_data_file_names_the_checkpoint_and_the_leaf(tmp_path):
+    """It was a bare `Exception: Encountered error while reading array index` and a
+    TensorStore dump naming neither."""
+    run = _saved_run(tmp_path)
+    file, start = _data_file(run / "step_1", _tiny()["w"])
+    file.write_bytes(file.read_bytes()[:start])
+    with pytest.raises(ValueError, match=r"`.*run/step_1` is damaged: reading `like\['w'\]`"):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+
+
+def test_a_flipped_byte_is_found_by_the_checksum_unless_verify_is_false(tmp_path):
+    """Orbax keeps no checksum: one flipped byte of a data file restored as other numbers."""
+    run = _saved_run(tmp_path)
+    checksums = json.loads((run / "step_1" / "offload_eqx_checksums.json").read_text())
+    assert {leaf["dtype"] for leaf in checksums["leaves"].values()} == {"uint32", "float32"}
+    file, start = _data_file(run / "step_1", _tiny()["w"])
+    damaged = bytearray(file.read_bytes())
+    damaged[start + 5] ^= 1
+    file.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"`like\['w'\]` as read from `.*run/step_1` differs"):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+    restored = ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny), verify=False)
+    assert not np.array_equal(restored["w"], _tiny()["w"])  # what Orbax alone gives
+
+
+def test_a_checkpoint_orbax_wrote_restores_without_checksums(tmp_path):
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "orbax", _tiny())
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    restored = ox.restore_checkpoint(tmp_path / "orbax", jax.eval_shape(_tiny))
+    np.testing.assert_array_equal(restored["w"], _tiny()["w"])
+
+
+_FAILED_SAVE = """
+import sys
+import jax.numpy as jnp
+import offload_eqx as ox
+try:
+    ox.save_checkpoint(sys.argv[1], {"w": jnp.ones(3)})
+except OSError as error:
+    print(type(error).__name__)
+"""
+
+
+def _obeying_file_modes():
+    """A command prefix under which the subprocess obeys file modes: root's right to
+    write anywhere dropped (`setpriv`), or None where that cannot be done."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    drop = [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+    return drop if subprocess.run([*drop, "true"], capture_output=True).returncode == 0 else None
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "read_only"])
+def test_a_failed_save_lets_the_process_exit(tmp_path, where):
+    """A save that cannot create its directory left Orbax's non-daemon threads waiting
+    for it (20 minutes), and the process did not exit."""
+    prefix = []
+    if where == "under_a_file":
+        (tmp_path / "file").write_text("")
+        path, error = tmp_path / "file" / "ckpt", "NotADirectoryError"
+    else:
+        prefix = _obeying_file_modes()
+        if prefix is None:
+            pytest.skip("root writes into read-only directories, and setpriv cannot stop it")
+        (tmp_path / "read_only").mkdir(mode=0o555)
+        path, error = tmp_path / "read_only" / "ckpt", "PermissionError"
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", _FAILED_SAVE, str(path)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.split() == [error], done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("caller", ["save_checkpoint", "place"])
+def test_donated_arrays_are_named_before_anything_is_written(tmp_path, caller):
+    """It was JAX's `Array has been deleted` with no path, and a `.tmp` directory."""
+    state = _state()
+    state[1].inner[1][0].mu.layers.w2.delete()  # what `donate=` does to a step's inputs
+    with pytest.raises(
+        ValueError, match=r"`tree\[1\].inner\[1\]\[0\].mu.layers.w2` has been deleted"
+    ) as raised:
+        if caller == "save_checkpoint":
+            ox.save_checkpoint(tmp_path / "ckpt", state)
+        else:
+            ox.place(state, "hybrid")
+    assert "outputs" in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_through_a_symlink_is_resolved_as_the_os_does(tmp_path):
+    """`run/latest/../step_1`, `run/latest` a link to `runs/7/latest`: the OS resolves it
+    to `runs/7/step_1`; `os.path.abspath` made it `run/step_1`."""
+    (tmp_path / "runs" / "7" / "latest").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").symlink_to(tmp_path / "runs" / "7" / "latest")
+    path = str(tmp_path / "run" / "latest") + "/../step_1"
+    ox.save_checkpoint(path, _tiny())
+    assert (tmp_path / "runs" / "7" / "step_1" / "_METADATA").is_file()
+    assert not (tmp_path / "run" / "step_1").exists()
+    restored = ox.restore_checkpoint(path, jax.eval_shape(_tiny))
+    np.testing.assert_array_equal(restored["w"], _tiny()["w"])
+
+
+def test_a_bfloat16_file_is_not_read_as_float16(tmp_path):
+    """NumPy stores bfloat16 as 2 nameless bytes (`V2`): they were viewed as float16."""
+    eqx.tree_serialise_leaves(tmp_path / "w.eqx", jnp.ones(3, jnp.bfloat16))
+    like = jax.ShapeDtypeStruct((3,), jnp.float16)
+    with pytest.raises(
+        ValueError,
+        match=r"`like` is \|V2\[3\] \(2 nameless bytes an element, as NumPy stores bfloat16",
+    ):
+        ox.tree_deserialise_leaves(tmp_path / "w.eqx", like)
+    loaded = ox.tree_deserialise_leaves(
+        tmp_path / "w.eqx", jax.ShapeDtypeStruct((3,), jnp.bfloat16)
+    )
+    assert loaded.dtype == jnp.bfloat16 and bool(jnp.all(loaded == 1))
+
+
+@pytest.mark.parametrize("kind", ["json", "npz"])
+def test_a_file_that_is_not_an_equinox_file_says_so(tmp_path, kind):
+    """A JSON file was "the file ends before it"; an `.npz` an `AttributeError`."""
+    path = tmp_path / f"state.{kind}"
+    if kind == "json":
+        path.write_text('{"w": [1, 2, 3]}')
+    else:
+        np.savez(path, w=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"is not an `eqx.tree_serialise_leaves` file") as raised:
+        ox.tree_deserialise_leaves(path, {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    assert ("np.load" in str(raised.value)) == (kind == "npz")
