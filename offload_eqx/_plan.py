@@ -41,18 +41,6 @@ _CONFLICTING_POLICIES = (
     "compiled into one remat policy); give it the same policy in both places, or rename "
     "one of the activations."
 )
-_OFFLOADS_NOTHING = (
-    "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. {fix}"
-)
-
-
-_UNMATCHED_PATTERNS = (
-    "Strategy {strategy!r} has {attr} patterns that match no managed {noun} leaf: "
-    "{patterns}, so they place nothing. The managed {noun} leaves are {paths}. A pattern "
-    "is a glob over the whole leaf path (`'*.w1'` matches `model.layers.w1`; an "
-    "optimizer-state pattern may match the path of the parameter the leaf mirrors): fix "
-    "the pattern, or drop it."
-)
 
 
 class Plan:
@@ -342,68 +330,14 @@ class Plan:
     # -- checks --------------------------------------------------------------------------
 
     def check_strategy(self, created: Sequence[Any] = ()) -> None:
-        """A strategy that asks for host memory must find something to put there: among
-        the arguments, or among the outputs the step creates (`created`, from
-        `outputs`)."""
-        strategy = self.strategy
-        self._check_patterns([leaf for leaf in (*self.leaves, *created) if leaf is not None])
-        roles = {leaf.role for leaf in (*self.leaves, *created) if leaf is not None}
-        asked = []
-        if strategy.puts_on_host("param"):
-            asked.append(
-                (
-                    "parameters",
-                    "param" in roles,
-                    "no array leaf is declared with `ox.field(...)` or `ox.annotate(...)`",
-                    "Mark the fields that may live in host memory, e.g. "
-                    "`w: jax.Array = ox.field(memory='device')`, or "
-                    "`ox.annotate(model, lambda m: m.layers, memory='device')`.",
-                )
-            )
-        if strategy.activations == "offload":
-            asked.append(
-                (
-                    "activations",
-                    bool(self.declared_activations),
-                    "no module declares any activation names",
-                    "Name activations with `ox.name(x, 'x')` and declare them with "
-                    "`ox.activations(x='offload')`.",
-                )
-            )
-        optimizer_found = strategy.puts_on_host("optimizer") and "optimizer" in roles
-        if not asked or optimizer_found or any(found for _, found, _, _ in asked):
-            return
-        what, _, missing, fix = asked[0]
-        if len(asked) > 1:
-            what = " and ".join(a[0] for a in asked)
-            missing = "; ".join(a[2] for a in asked)
-            fix = " ".join(a[3] for a in asked)
-        raise ValueError(
-            _OFFLOADS_NOTHING.format(strategy=strategy.name, what=what, missing=missing, fix=fix)
+        """The strategy's leaf patterns each match a leaf, and a strategy that asks for
+        host memory finds something to put there: among the arguments, or among the
+        outputs the step creates (`created`, from `outputs`)."""
+        leaves = [leaf for leaf in (*self.leaves, *created) if leaf is not None]
+        self.strategy.check_patterns(leaves)
+        self.strategy.check_offloads_something(
+            {leaf.role for leaf in leaves}, bool(self.declared_activations)
         )
-
-    def _check_patterns(self, leaves: Sequence[Any]) -> None:
-        """Each leaf pattern of the strategy matches some managed leaf of its role (a
-        mistyped pattern would otherwise leave its leaves where they were declared)."""
-        for role, attr, noun in (
-            ("param", "params", "parameter"),
-            ("optimizer", "optimizer", "optimizer-state"),
-        ):
-            mine = [leaf for leaf in leaves if leaf.role == role]
-            paths = [p for leaf in mine for p in (leaf.path, leaf.mirrors) if p is not None]
-            unmatched = self.strategy.unmatched(role, paths) if mine else []
-            if unmatched:
-                shown = ", ".join(f"`{leaf.path}`" for leaf in mine[:4])
-                more = f" and {len(mine) - 4} more" if len(mine) > 4 else ""
-                raise ValueError(
-                    _UNMATCHED_PATTERNS.format(
-                        strategy=self.strategy.name,
-                        attr=attr,
-                        patterns=", ".join(repr(p) for p in unmatched),
-                        noun=noun,
-                        paths=shown + more,
-                    )
-                )
 
     def check_names(self, inside_regions: set[str], outside_regions: set[str], regions: int):
         """After a trace: every declared name must have been produced inside a region."""

@@ -32,6 +32,18 @@ def _leaf_modes(name: str, attr: str, value: Any) -> Any:
     return pairs
 
 
+_OFFLOADS_NOTHING = (
+    "Strategy {strategy!r} offloads {what}, but {missing}, so it would offload nothing. {fix}"
+)
+_UNMATCHED_PATTERNS = (
+    "Strategy {strategy!r} has {attr} patterns that match no managed {noun} leaf: "
+    "{patterns}, so they place nothing. The managed {noun} leaves are {paths}. A pattern "
+    "is a glob over the whole leaf path (`'*.w1'` matches `model.layers.w1`; an "
+    "optimizer-state pattern may match the path of the parameter the leaf mirrors): fix "
+    "the pattern, or drop it."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How the plan overrides the model's own annotations.
@@ -145,17 +157,74 @@ class Strategy:
                 return declared if memory == "annotated" else memory
         return declared
 
-    def unmatched(self, role: str, paths: "Sequence[str]") -> list[str]:
-        """The leaf patterns of `role` ("param" or "optimizer") that match none of
-        `paths` (empty when the mode is not a mapping of patterns)."""
-        mode = self.params if role == "param" else self.optimizer
-        if isinstance(mode, str):
-            return []
-        return [
-            pattern
-            for pattern, _ in mode
-            if not any(fnmatch.fnmatchcase(p, pattern) for p in paths)
-        ]
+    def check_patterns(self, leaves: "Sequence[Any]") -> None:
+        """Each leaf pattern matches some managed leaf of its role among `leaves` (a
+        plan's `LeafPlan`s): a mistyped pattern would leave its leaves where they were
+        declared, silently. A role with no leaves here is not checked (a strategy serves
+        steps with and without an optimizer)."""
+        for role, attr, noun in (
+            ("param", "params", "parameter"),
+            ("optimizer", "optimizer", "optimizer-state"),
+        ):
+            mode = self.params if role == "param" else self.optimizer
+            mine = [leaf for leaf in leaves if leaf.role == role]
+            if isinstance(mode, str) or not mine:
+                continue
+            paths = [p for leaf in mine for p in (leaf.path, leaf.mirrors) if p is not None]
+            unmatched = [
+                repr(pattern)
+                for pattern, _ in mode
+                if not any(fnmatch.fnmatchcase(p, pattern) for p in paths)
+            ]
+            if unmatched:
+                shown = ", ".join(f"`{leaf.path}`" for leaf in mine[:4])
+                more = f" and {len(mine) - 4} more" if len(mine) > 4 else ""
+                raise ValueError(
+                    _UNMATCHED_PATTERNS.format(
+                        strategy=self.name,
+                        attr=attr,
+                        patterns=", ".join(unmatched),
+                        noun=noun,
+                        paths=shown + more,
+                    )
+                )
+
+    def check_offloads_something(self, roles: set, names_declared: bool) -> None:
+        """A strategy that asks for host memory must find something to put there: leaves
+        of the `roles` it moves, or declared activation names."""
+        asked = []
+        if self.puts_on_host("param"):
+            asked.append(
+                (
+                    "parameters",
+                    "param" in roles,
+                    "no array leaf is declared with `ox.field(...)` or `ox.annotate(...)`",
+                    "Mark the fields that may live in host memory, e.g. "
+                    "`w: jax.Array = ox.field(memory='device')`, or "
+                    "`ox.annotate(model, lambda m: m.layers, memory='device')`.",
+                )
+            )
+        if self.activations == "offload":
+            asked.append(
+                (
+                    "activations",
+                    names_declared,
+                    "no module declares any activation names",
+                    "Name activations with `ox.name(x, 'x')` and declare them with "
+                    "`ox.activations(x='offload')`.",
+                )
+            )
+        optimizer_found = self.puts_on_host("optimizer") and "optimizer" in roles
+        if not asked or optimizer_found or any(found for _, found, _, _ in asked):
+            return
+        what, _, missing, fix = asked[0]
+        if len(asked) > 1:
+            what = " and ".join(a[0] for a in asked)
+            missing = "; ".join(a[2] for a in asked)
+            fix = " ".join(a[3] for a in asked)
+        raise ValueError(
+            _OFFLOADS_NOTHING.format(strategy=self.name, what=what, missing=missing, fix=fix)
+        )
 
     def puts_on_host(self, role: str) -> bool:
         """Whether this strategy moves some managed leaves of `role` to host memory."""
