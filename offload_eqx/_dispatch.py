@@ -22,7 +22,7 @@ from ._call_errors import call_problem
 from ._compile import Misplaced, NewArgumentTypes, types_of
 from ._errors import ImplicitTransferError, UnhashableStaticError, is_placement_mismatch
 from ._guard import explain, no_implicit_transfers
-from ._interrupts import hold, release
+from ._interrupts import deliver_pending, hold, release
 from ._plan_walk import ARRAY_TYPES
 from ._runtime_errors import equinox_error, quiet_callback_failures
 
@@ -127,6 +127,7 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
         dynamic = entry.moved(dynamic)
     if not entry.donate_argnums:
         return _execute(self, entry, key, args, kwargs, dynamic)
+    deliver_pending()  # a Ctrl-C held during the previous call: now, before donating
     if len(set(map(id, dynamic))) < len(dynamic):
         dynamic = self._distinct(entry, dynamic)
     # The inputs are donated from here on: the outputs are the only copy of the state.

@@ -1,34 +1,49 @@
-"""Ctrl-C during a call that donates its inputs is held until the call returns.
+"""Ctrl-C during a call that donates its inputs is delivered where the loop's names are valid.
 
 A step with `donate="all"` deletes its inputs when it starts; until the loop rebinds its
-names to the outputs, the outputs are the only copy of the model and optimizer state.
-A `KeyboardInterrupt` raised in between (Python raises it after the blocking call
-returns, at its next check) loses them: the call's result is dropped as the exception
-unwinds. So the first donating call made from the main thread chains a SIGINT handler in
-front of the one in place: while a donating call runs it only notes the signal, which
-is delivered (as `KeyboardInterrupt`, saying where the outputs are kept) once the call
-has stored its outputs; at any other time it hands the signal straight to the previous
-handler. Installing it once costs a few microseconds; each call after that sets a
-counter. A handler installed later by the program replaces it, and then nothing is held.
+names to the outputs (`model, opt_state, loss = step(model, opt_state, x)`), the outputs
+are the only copy of the model and optimizer state. A `KeyboardInterrupt` raised in
+between (Python raises it after the blocking call returns, at its next check) loses
+them: the call's result is dropped as the exception unwinds, and the loop's names are
+left on deleted buffers. So the first donating call made from the main thread chains a
+SIGINT handler in front of the one in place. While a donating call runs it only notes
+the signal; the call returns its outputs normally, the loop rebinds its names, and the
+interrupt is delivered
+
+- at the start of the next donating call, before anything is donated (a training loop
+  calls its step again at once), or
+- after `GRACE` seconds, from a timer, if no donating call comes first (the loop ended,
+  or does something else: an evaluation, a checkpoint).
+
+Either way the loop's names hold the last step's outputs when `KeyboardInterrupt` is
+raised. At any other time the handler hands the signal straight to the previous one.
+Installing it costs a few microseconds once; each call after that sets a counter. A
+handler installed later by the program replaces it, and then nothing is held.
 """
 
+import _thread
 import signal
 import threading
 from typing import Any
 
 _INTERRUPTED = (
     "Ctrl-C arrived while {caller} ran a step that donates its inputs: the step was let "
-    "finish, and its outputs, the only copy of the state it updated, are kept: `model, "
-    "opt_state, *rest = step.last_outputs` (as the step returns them)."
+    "finish and returned its outputs, so the names your loop bound to them hold the "
+    "state (and `step.last_outputs` keeps them too); it is delivered now, before "
+    "anything more was donated."
 )
 _MAIN = threading.main_thread().ident
+GRACE = 0.5  # seconds a held Ctrl-C waits for the next donating call
 
 
 class _Hold:
-    """The chained handler's state: how many donating calls run, the signal held."""
+    """The chained handler's state: how many donating calls run, the signal held, and
+    the interrupt waiting for delivery."""
 
     running = 0
     held: Any = None  # the frame the held signal arrived in
+    pending: str | None = None  # the caller whose held Ctrl-C awaits delivery
+    timer: threading.Timer | None = None
     previous: Any = None
     installed = False
 
@@ -36,6 +51,9 @@ class _Hold:
 def _handler(signum: int, frame: Any) -> None:
     if _Hold.running:
         _Hold.held = frame
+    elif _Hold.pending is not None:
+        _take_pending()
+        _deliver(signum, frame, None)
     else:
         _Hold.previous(signum, frame)
 
@@ -46,6 +64,34 @@ def _install() -> None:
     if callable(previous):  # SIG_IGN / SIG_DFL: nothing of Python's to defer
         _Hold.previous = previous
         signal.signal(signal.SIGINT, _handler)
+
+
+def _deliver(signum: int, frame: Any, caller: str | None) -> None:
+    if _Hold.previous is signal.default_int_handler:
+        raise KeyboardInterrupt(_INTERRUPTED.format(caller=caller or "a step"))
+    _Hold.previous(signum, frame)
+
+
+def _take_pending() -> str | None:
+    """The pending interrupt's caller (None: none), no longer pending."""
+    caller, _Hold.pending = _Hold.pending, None
+    if _Hold.timer is not None:
+        _Hold.timer.cancel()
+        _Hold.timer = None
+    return caller
+
+
+def _timer_fired() -> None:
+    if _Hold.pending is not None and not _Hold.running:
+        _thread.interrupt_main(signal.SIGINT)  # runs `_handler`, which delivers it
+
+
+def deliver_pending() -> None:
+    """Raise the Ctrl-C held during an earlier donating call, if one waits: called at
+    the start of a donating call, before anything is donated."""
+    if _Hold.pending is not None and threading.get_ident() == _MAIN:
+        caller = _take_pending()
+        _deliver(signal.SIGINT, None, caller)
 
 
 def hold() -> bool:
@@ -60,12 +106,14 @@ def hold() -> bool:
 
 
 def release(caller: str) -> None:
-    """Stop holding; deliver a Ctrl-C that arrived meanwhile to the previous handler
-    (Python's own raises `KeyboardInterrupt`, saying where the outputs are)."""
+    """Stop holding; a Ctrl-C that arrived meanwhile waits for the next donating call
+    (or `GRACE` seconds), so that the outputs this call returns reach the loop's names."""
     _Hold.running -= 1
     if _Hold.running or _Hold.held is None:
         return  # an enclosing donating call delivers it
-    frame, _Hold.held = _Hold.held, None
-    if _Hold.previous is signal.default_int_handler:
-        raise KeyboardInterrupt(_INTERRUPTED.format(caller=caller))
-    _Hold.previous(signal.SIGINT, frame)
+    _Hold.held = None
+    _Hold.pending = caller
+    if _Hold.timer is None:
+        _Hold.timer = threading.Timer(GRACE, _timer_fired)
+        _Hold.timer.daemon = True
+        _Hold.timer.start()

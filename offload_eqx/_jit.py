@@ -234,9 +234,9 @@ class FilterJit(eqx.Module):
 
         A Ctrl-C in a training loop can arrive after a step has donated (deleted) its
         inputs and before the loop has rebound its names to the outputs; the wrapper
-        holds Ctrl-C back until the step returns, and keeps its outputs here, so that
-        `model, opt_state, loss = step.last_outputs` recovers the state. (A wrapper that
-        donates nothing keeps nothing.)"""
+        holds it until the loop has them (it is raised by the next donating call, before
+        that call donates), and keeps the outputs here as well. (A wrapper that donates
+        nothing keeps nothing.)"""
         return self.cache.last_outputs
 
     @property
