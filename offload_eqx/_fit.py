@@ -38,13 +38,27 @@ from ._estimate import Delta, Load, load_of, predict
 from ._fit_refine import MIN_GAIN, refine
 from ._fit_result import FitResult
 from ._fit_search import Search, key_of
-from ._fit_space import Choice, carry_note, choices, describe_part, named_values
+from ._fit_space import (
+    EXHAUSTIVE_NAMES,
+    Choice,
+    carry_note,
+    choices,
+    describe_part,
+    frontier,
+    named_values,
+)
 from ._host_compute import host_update_problem
 from ._jit import FilterJit, filter_jit
 from ._options import checks_options
 from ._table import format_bytes
 from ._targets import get_target
 
+_FRONTIER = (
+    "{count} names are searched along a frontier, not every combination (more than "
+    "{limit} names would make 3^n candidates): from every name saved, names switch one at "
+    "a time to their cheaper way of leaving the device (offload or remat), in order of "
+    "the time each adds per byte it frees."
+)
 _NO_BUDGET = "ox.fit: target {target!r} has no known device memory; pass `device_budget=` in bytes."
 _NO_PLAN = (
     "ox.fit: no plan of this step fits {target!r} within a device budget of {budget} and "
@@ -141,8 +155,8 @@ def _price(search: Search, space: _Space) -> tuple[dict[Choice, Load], list[str]
         + list(deltas.items())
         if isinstance(reason, str)
     ]
-    loads: dict[Choice, Load] = {}
-    for choice in choices(names, params, optimizer):
+
+    def compose(choice: Choice) -> Load | None:
         load = base_loads[choice.base]
         parts = [(choice.base, n, p) for n, p in choice.names if p != choice.base]
         if (choice.params, choice.optimizer) != ("device", "device"):
@@ -150,11 +164,22 @@ def _price(search: Search, space: _Space) -> tuple[dict[Choice, Load], list[str]
         for part in parts:
             delta = deltas[part]
             if isinstance(load, str) or isinstance(delta, str):
-                load = None
-                break
+                return None
             load = load + delta
-        if isinstance(load, Load):
-            loads[choice] = load
+        return load if isinstance(load, Load) else None
+
+    if len(names) <= EXHAUSTIVE_NAMES:
+        candidates = choices(names, params, optimizer)
+    else:
+
+        def seconds(choice: Choice) -> float | None:
+            load = compose(choice)
+            return None if load is None else predict(load, search.speeds)[0]
+
+        sizes = {n: search.produced[n].bytes for n in names}
+        candidates = frontier(names, params, optimizer, seconds, sizes)
+        notes.append(_FRONTIER.format(count=len(names), limit=EXHAUSTIVE_NAMES))
+    loads = {c: load for c in candidates if (load := compose(c)) is not None}
     return loads, notes
 
 
@@ -312,7 +337,13 @@ def fit(
     state live (device, pinned_host, or updated on the host); then, between the best plan
     that fits and faster ones that do not, a name's policy in a number of layers
     (`("save", k, "offload")`) and the largest leaves on the host. A name that is a scan's
-    loop carry is not searched (`FitResult.notes` says why). See the module doc.
+    loop carry is not searched (`FitResult.notes` says why).
+
+    How: every candidate is priced from a few traces (no compile), candidates are
+    compiled in order of predicted time until the rest are predicted slower than the
+    best plan that fits, and a plan that keeps at least what an over-budget plan of the
+    same base and placement kept is not compiled. The planning guide of the
+    documentation site ("Planning: estimate, fit, max_batch") has an example.
 
     **Returns:** an `ox.FitResult`: `.strategy` (an `ox.Strategy` for `ox.filter_jit`),
     `.estimate`, `.candidates`.

@@ -17,7 +17,7 @@ nothing. `named_values` finds them on the traced program.
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.extend as jex
@@ -46,15 +46,22 @@ class NamedValue:
 
 def named_values(jaxpr: Any) -> dict[str, NamedValue]:
     """Each name the forward pass of `jaxpr` produces (recomputation excluded), with its
-    bytes per step and whether it is a scan's carry."""
-    found: dict[str, NamedValue] = {}
+    bytes per step and whether it is a scan's carry.
+
+    A value recomputed for the backward pass sits under `rematted_computation`; so does
+    the forward pass of a region that is itself rematerialised whole (an
+    `ox.checkpoint` at the top of the step, under the `"remat"` base), whose names then
+    appear nowhere else: those are taken from there."""
+    strict: dict[str, NamedValue] = {}
+    rematted: dict[str, NamedValue] = {}
     carried = carried_names(jaxpr)
 
     def walk(j: Any, count: int) -> None:
         for eqn in j.eqns:
             prim = eqn.primitive.name
             stack = str(eqn.source_info.name_stack)
-            if prim == "name" and "rematted_computation" not in stack and "transpose(" not in stack:
+            if prim == "name" and "transpose(" not in stack:
+                found = rematted if "rematted_computation" in stack else strict
                 aval = eqn.outvars[0].aval
                 size = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize * count
                 name = eqn.params["name"]
@@ -70,7 +77,7 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
                 walk(getattr(sub, "jaxpr", sub), count * length)
 
     walk(jaxpr, 1)
-    return found
+    return rematted | strict
 
 
 def carry_note(name: str, policy: Policy) -> str:
@@ -153,6 +160,50 @@ def choices(names: Sequence[str], params: Sequence[str], optimizer: Sequence[str
         for policies in itertools.product(("save", "offload"), repeat=len(names)):
             found.append(Choice("save", tuple(zip(names, policies)), p, o))
     return found
+
+
+# Up to this many searchable names every combination of policies is a candidate (3^n
+# under the remat base); past it, `frontier`.
+EXHAUSTIVE_NAMES = 5
+
+
+def frontier(
+    names: Sequence[str],
+    params: Sequence[str],
+    optimizer: Sequence[str],
+    seconds: Callable[[Choice], float | None],
+    sizes: Mapping[str, int],
+) -> list[Choice]:
+    """Candidates that grow with the names, not as 3^n: for each base and placement, the
+    plan that saves every name, then the plans that switch names one at a time to their
+    cheaper frugal policy (offload or, under `"remat"`, remat: whichever `seconds` prices
+    lower when that name alone changes), in order of the seconds each adds per byte it
+    frees from the device; and the plan where every name is recomputed (or offloaded).
+    The composed price makes the order: names interact little, so the plans between
+    lie close to the fastest plan for each amount freed."""
+    found: list[Choice] = []
+    for p, o in itertools.product(params, optimizer):
+        for base, frugal in (("remat", ("offload", "remat")), ("save", ("offload",))):
+            saved = Choice(base, tuple((n, "save") for n in names), p, o)
+            start = seconds(saved)
+            steps = []
+            for name in names:
+                times = {policy: seconds(saved.with_policy(name, policy)) for policy in frugal}
+                priced = [
+                    (t - start, policy)
+                    for policy, t in times.items()
+                    if t is not None and start is not None
+                ]
+                if priced:
+                    added, policy = min(priced)
+                    steps.append((added / max(sizes.get(name, 1), 1), name, policy))
+            current = saved
+            found.append(current)
+            for _, name, policy in sorted(steps):
+                current = current.with_policy(name, policy)
+                found.append(current)
+            found.append(saved.with_(names=tuple((n, frugal[-1]) for n in names)))
+    return list(dict.fromkeys(found))
 
 
 def describe_part(part: tuple) -> str:
