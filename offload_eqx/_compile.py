@@ -12,6 +12,7 @@ once per compilation.
 """
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from ._memory_space import is_host_aval, is_host_typed, to_device, to_host
 from ._mesh import put, same_place, traced_type
 from ._plan import LeafPlan, Plan
 from ._plan_walk import format_keys, is_array_leaf
-from ._runtime_errors import checks_at_run_time
+from ._runtime_errors import checks_at_run_time, raises_at_run_time
 from ._trace_state import tracing
 
 # A host-resident output is built on the host when what it reads of the device is at
@@ -294,6 +295,7 @@ def compile_entry(
     keep_root: int | None,
     caller: str,
     name: str = "step",
+    donate_on_error: bool = False,
 ) -> Compilation:
     """Trace `call` once on abstract values typed by the plan, place the outputs it
     creates where their annotations say, then build its `jax.jit`."""
@@ -326,6 +328,8 @@ def compile_entry(
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
     donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root)
+    if donated and not donate_on_error:
+        donated = _unless_it_can_raise(closed, donated, caller)
     # Off a mesh, a program that places values on devices itself gets jit's placement
     # for its device arguments and results (None), as under `jax.jit`.
     to_jit = plan.mesh is None and places_on_devices(closed)
@@ -353,6 +357,25 @@ def compile_entry(
         checks=checks_at_run_time(closed),
         donate=donate,
     )
+
+
+_KEEPS_INPUTS = (
+    "{caller}: the step can raise while it runs ({what}), so it donates nothing: a "
+    "run-time error in a donating step deletes the model and optimizer state passed in, "
+    "leaving nothing to resume from. The device holds the inputs and the outputs at once "
+    "during the step; to donate anyway (and lose the inputs if it raises), pass "
+    "`ox.filter_jit(..., donate_on_error=True)`."
+)
+
+
+def _unless_it_can_raise(closed: Any, donated: tuple, caller: str) -> tuple:
+    """No donation for a program that can raise while it runs (with a warning saying
+    what and how to donate anyway)."""
+    what = raises_at_run_time(closed)
+    if what is None:
+        return donated
+    warnings.warn(_KEEPS_INPUTS.format(caller=caller, what=what), stacklevel=5)
+    return ()
 
 
 def compile_transformed(

@@ -94,6 +94,7 @@ class FilterJit(eqx.Module):
     donate: str = eqx.field(static=True)
     mesh: Any = eqx.field(static=True)
     audit: bool = eqx.field(static=True)
+    donate_on_error: bool = eqx.field(static=True)
     fn_has_arrays: bool = eqx.field(static=True)
     signature: Any = eqx.field(static=True, repr=False)
     cache: Cache = eqx.field(static=True, repr=False)
@@ -217,6 +218,7 @@ class FilterJit(eqx.Module):
             keep_root,
             f"ox.filter_jit({name})",
             name,
+            self.donate_on_error,
         )
         entry.key = key
         held = entries.get(key)
@@ -332,6 +334,7 @@ def filter_jit(
     donate: str = "none",
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     audit: Any = False,  # checked below, with a message that says what was meant
+    donate_on_error: bool = False,
     **jit_options: Any,  # refused below, with what is accepted
 ) -> Any:
     """`eqx.filter_jit` that compiles the placement plan of its arguments.
@@ -350,12 +353,19 @@ def filter_jit(
         the step returns its new value in the same memory (see the docs' "The compiled
         step"). The first argument is the first one of the function's signature, however
         passed. `"warn"` variants donate the same and let JAX's warning about donated
-        buffers the program could not reuse through.
+        buffers the program could not reuse through. A program that can raise while it
+        runs (an `eqx.error_if` check, a `jax.debug.callback`, any host callback) donates
+        nothing, with a warning, unless `donate_on_error=True`: a run-time error would
+        otherwise delete the model and optimizer state passed in, leaving nothing to
+        resume from.
     - `mesh`: the mesh for leaves declared with a partition spec.
     - `audit`: run every call under `ox.no_implicit_transfers()`: an argument that would
         be copied implicitly (a numpy array, a Python scalar, an array on another device)
         is an error naming its leaf path, and so is a static leaf whose new value would
         compile the step again.
+    - `donate_on_error`: donate as `donate` says even in a program that can raise while
+        it runs (its donated inputs are lost if it does: keep a checkpoint); the device
+        then holds one copy of the state instead of two during the step.
     - `**jit_options`: other `jax.jit` options are refused (the plan decides shardings
         and donation).
 
@@ -374,7 +384,8 @@ def filter_jit(
     if jit_options:
         raise TypeError(
             f"ox.filter_jit was given {', '.join(map(repr, jit_options))}, which it does "
-            "not take: it accepts `strategy`, `donate`, `mesh` and `audit`. The plan decides "
+            "not take: it accepts `strategy`, `donate`, `mesh`, `audit` and "
+            "`donate_on_error`. The plan decides "
             "shardings and donation (`in_shardings`, `out_shardings`, `donate_argnums` "
             "have no place here); for other `jax.jit` options use `jax.jit` on a function "
             "of arrays."
@@ -396,7 +407,14 @@ def filter_jit(
             "would be read as its truth value)."
         )
     if fn is None:
-        return lambda fn: filter_jit(fn, strategy=strategy, donate=donate, mesh=mesh, audit=audit)
+        return lambda fn: filter_jit(
+            fn,
+            strategy=strategy,
+            donate=donate,
+            mesh=mesh,
+            audit=audit,
+            donate_on_error=donate_on_error,
+        )
     if not callable(fn):
         raise TypeError(
             f"ox.filter_jit was given {fn!r} (a {type(fn).__name__}), which is not callable. "
@@ -411,8 +429,9 @@ def filter_jit(
         donate=donate,
         mesh=mesh,
         audit=audit,
+        donate_on_error=bool(donate_on_error),
         fn_has_arrays=has_arrays,
         signature=signature,
-        cache=cache_of(fn, has_arrays, (strategy, donate, mesh, audit)),
+        cache=cache_of(fn, has_arrays, (strategy, donate, mesh, audit, bool(donate_on_error))),
     )
     return eqx.module_update_wrapper(wrapper)

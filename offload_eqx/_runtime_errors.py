@@ -42,6 +42,26 @@ def checks_at_run_time(closed: Any) -> bool:
     return False
 
 
+def raises_at_run_time(closed: Any) -> str | None:
+    """What in a (closed) jaxpr can raise while the program runs, at any depth: an
+    Equinox check (`eqx.error_if`) or another host callback; None if nothing can."""
+    for eqn in getattr(closed, "jaxpr", closed).eqns:
+        if eqn.primitive.name in _CALLBACKS:
+            function = getattr(eqn.params.get("callback"), "callback_func", None)
+            module = getattr(function, "__module__", "") or ""
+            if module.startswith("equinox"):
+                return "an Equinox check (`eqx.error_if` or its kin)"
+            if module.startswith("jax."):
+                continue  # JAX's own (`jax.debug.print`): formats and prints, never raises
+            label = getattr(function, "__qualname__", None) or "a function"
+            return f"`jax.{eqn.primitive.name.replace('_callback', '')}_callback` of {label}"
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            found = raises_at_run_time(sub)
+            if found is not None:
+                return found
+    return None
+
+
 def equinox_error(error: BaseException) -> Exception | None:
     """The `eqx.EquinoxRuntimeError` that `eqx.filter_jit` raises for `error`, when it
     comes from an Equinox check; None otherwise."""

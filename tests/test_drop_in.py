@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import offload_eqx as ox
@@ -415,6 +416,38 @@ def test_branched_error_if_in_a_training_step():
         jitted(model, jnp.full(3, jnp.nan))
     with pytest.raises(eqx.EquinoxRuntimeError, match="loss diverged"):
         jitted(model, jnp.full(3, 1e5))
+
+
+def test_an_error_if_in_a_donating_step_keeps_the_state_it_was_given():
+    """`eqx.error_if` in a `donate="all"` step deleted the model and optimizer state when
+    it fired (issue 26, item 14): such a step donates nothing unless told to, and says so;
+    `jax.debug.print` (which cannot raise) keeps donation."""
+    opt = optax.sgd(0.1)
+
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        loss = eqx.error_if(loss, ~jnp.isfinite(loss), "loss is not finite")
+        updates, opt_state = opt.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    model = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    checked = ox.filter_jit(step, donate="all")
+    with pytest.warns(UserWarning, match=r"an Equinox check.*donates nothing"):
+        model, opt_state, _ = checked(model, opt_state, jnp.ones(3))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="loss is not finite"):
+        checked(model, opt_state, jnp.full(3, jnp.nan))
+    assert not model.weight.is_deleted()
+    checked(model, opt_state, jnp.ones(3))  # training resumes from the state it was given
+
+    def printed(model, x):
+        jax.debug.print("{}", x[0])
+        return eqx.apply_updates(model, jax.tree.map(jnp.zeros_like, model)), x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entry, _ = ox.filter_jit(printed, donate="all").compilation(model, jnp.ones(3))
+    assert entry.donate_argnums
 
 
 def test_a_step_without_checks_is_not_waited_for():

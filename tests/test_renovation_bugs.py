@@ -264,9 +264,17 @@ def test_donated_buffers_survive_trace_errors_but_not_run_time_errors():
     with pytest.raises(TypeError):  # at trace time: nothing runs, nothing is donated
         ox.filter_jit(lambda m, x: ({"w": m["w"] @ jnp.ones((4, 4))}, x), donate="all")(model, x)
     assert not model["w"].is_deleted()
+    # A step that can raise while it runs donates nothing (issue 26, item 14): the model
+    # survives the error, and training can resume from it.
+    with pytest.warns(UserWarning, match=r"can raise while it runs.*donate_on_error=True"):
+        checked = ox.filter_jit(step, donate="all")
+        with pytest.raises(Exception, match="pure_callback failed|boom"):
+            jax.block_until_ready(checked(model, x))  # raised when the program has run
+    assert not model["w"].is_deleted() and not x.is_deleted()
+    np.testing.assert_array_equal(model["w"], jnp.ones(3))
+    # Opted in: the model, whose new value the step returns, is donated and lost.
     with pytest.raises(Exception, match="pure_callback failed|boom"):
-        ox.filter_jit(step, donate="all")(model, x)
-    # The model, whose new value the step returns, is donated; the batch `x` is not.
+        jax.block_until_ready(ox.filter_jit(step, donate="all", donate_on_error=True)(model, x))
     assert model["w"].is_deleted() and not x.is_deleted()
 
 
