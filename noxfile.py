@@ -27,6 +27,11 @@ CPU_ENV = {
 }
 
 
+# One pytest worker per core (pytest-xdist), each test sent to an idle worker: the
+# suite's tests range from milliseconds to a minute. `-- -n 0` runs them serially.
+PARALLEL = ("-n", "auto", "--dist", "worksteal")
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     session.run("pytest", *args, *session.posargs, env=CPU_ENV)
 
@@ -35,12 +40,13 @@ def _pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """CPU unit tests: `nox -s tests` (pass pytest options after `--`)."""
     session.install("-e", ".[test,checkpoint]")
-    _pytest(session, "-m", "not deviceless and not multidevice")
+    _pytest(session, *PARALLEL, "-m", "not deviceless and not multidevice")
 
 
 @nox.session(python=PYTHON)
 def multidevice(session: nox.Session) -> None:
-    """Tests on 8 CPU devices and two processes: `nox -s multidevice`."""
+    """Tests on 8 CPU devices and two processes: `nox -s multidevice` (serial: the first
+    8-device test runs its file once in a child pytest with 8 devices)."""
     session.install("-e", ".[test,checkpoint]")
     _pytest(session, "-m", "multidevice")
 
@@ -49,7 +55,7 @@ def multidevice(session: nox.Session) -> None:
 def deviceless(session: nox.Session) -> None:
     """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
     session.install("-e", ".[test,checkpoint,cuda,tpu]")
-    _pytest(session, "-m", "deviceless")
+    _pytest(session, *PARALLEL, "-m", "deviceless")
 
 
 @nox.session(python=PYTHON)
