@@ -189,6 +189,7 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
 
     configs = list(dict.fromkeys(r["config"] for r in results))
     targets = list(dict.fromkeys(r["target"] for r in results))
+    drawn: set[str] = set()  # the legend's entries: only what some panel draws
     width = max(7.5 * len(targets), 10.5)
     figure, axes = plt.subplots(
         len(configs),
@@ -243,27 +244,34 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
                 memory = p["device_bytes"] / GB
                 color = "tab:green" if p["fits"] else "tab:red"
                 axis.plot(memory, seconds, "o", color=color, ms=7, zorder=4)
+                drawn.add("fits" if p["fits"] else "too big")
             elif p["bound_only"]:
                 # No plan of its base compiled: the arguments and saved names alone, a
                 # lower bound, drawn as "at least" and left out of the front.
                 memory = max(p["predicted_device"] / GB, left)
                 axis.plot(memory, seconds, ">", mfc="none", color="tab:gray", ms=6, alpha=0.7)
+                drawn.add("bound")
                 continue
             else:
                 memory = p["predicted_device"] / GB
                 axis.plot(memory, seconds, "o", mfc="none", color="tab:gray", ms=5, alpha=0.6)
+                drawn.add("model")
             xy.append((memory, seconds))
             if p["status"] == "best":
                 axis.plot(memory, seconds, "*", color="gold", ms=18, mec="k", zorder=5)
+                drawn.add("best")
         for row in r["presets"]:  # a preset outside the search (host_update) is drawn too
             if row["plan"] != "ox.fit" and row["device"] is not None:
                 color = "tab:green" if row["fits"] else "tab:red"
                 axis.plot(row["device"] / GB, row["seconds"] * 1e3, "o", color=color, ms=7)
+                drawn.add("fits" if row["fits"] else "too big")
         front = pareto(xy)
         if front:
             axis.step(*zip(*front), where="post", color="tab:blue", lw=1)
+            drawn.add("front")
         capacity = r["capacity"] / GB
         axis.axvline(capacity, color="k", ls="--", lw=1)
+        drawn.add("capacity")
         axis.text(capacity, 1.0, f" {capacity:.0f} GB", transform=axis.get_xaxis_transform(),
                   va="top", fontsize=8)  # fmt: skip
         axis.set_xscale("log")
@@ -283,20 +291,29 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
                 if row["plan"] != "ox.fit" and row["device"] is not None
             ],
         )
-    handles = [
-        Line2D([], [], marker="o", color="tab:green", ls="", ms=7, label="compiled, fits"),
-        Line2D([], [], marker="o", color="tab:red", ls="", ms=7, label="compiled, does not fit"),
-        Line2D([], [], marker="o", mfc="none", color="tab:gray", ls="", ms=6,
-               label="not compiled: ox.fit's memory model"),
-        Line2D([], [], marker=">", mfc="none", color="tab:gray", ls="", ms=6,
-               label="not compiled: at least this much"),
-        Line2D([], [], marker="*", color="gold", mec="k", ls="", ms=14, label="ox.fit's plan"),
-        Line2D([], [], color="tab:blue", lw=1, label="Pareto front"),
-        Line2D([], [], color="k", ls="--", lw=1, label="device capacity (one chip)"),
-    ]  # fmt: skip
-    if any(r["candidates"] for r in results):  # a legend only for what is drawn
+    entries = {
+        "fits": Line2D([], [], marker="o", color="tab:green", ls="", ms=7,
+                       label="compiled, fits"),
+        "too big": Line2D([], [], marker="o", color="tab:red", ls="", ms=7,
+                          label="compiled, does not fit"),
+        "model": Line2D([], [], marker="o", mfc="none", color="tab:gray", ls="", ms=6,
+                        label="not compiled: ox.fit's memory model"),
+        "bound": Line2D([], [], marker=">", mfc="none", color="tab:gray", ls="", ms=6,
+                        label="not compiled: at least this much"),
+        "best": Line2D([], [], marker="*", color="gold", mec="k", ls="", ms=14,
+                       label="ox.fit's plan"),
+        "front": Line2D([], [], color="tab:blue", lw=1, label="Pareto front"),
+        "capacity": Line2D([], [], color="k", ls="--", lw=1, label="device capacity (one chip)"),
+    }  # fmt: skip
+    # A legend entry only for a kind of mark some panel draws (a smoke run compiles no plan
+    # that does not fit, for one).
+    handles = [handle for key, handle in entries.items() if key in drawn]
+    if handles:
         figure.legend(
-            handles=handles, loc="outside lower center", ncols=4 if width > 11 else 3, fontsize=9.5
+            handles=handles,
+            loc="outside lower center",
+            ncols=min(len(handles), 4 if width > 11 else 3),
+            fontsize=9.5,
         )
     title = (
         f"ox.fit's candidate plans for the Llama-like decoder, {batch} x 2048 tokens per step: "

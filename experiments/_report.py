@@ -321,13 +321,28 @@ def _plot(
                 0.03, 0.97, textwrap.fill(note, 58), transform=axis.transAxes, va="top",
                 fontsize=8, bbox={"boxstyle": "round", "facecolor": "lightyellow", "alpha": 0.9},
             )  # fmt: skip
-    handles = [
-        Patch(color=_COLORS["tutorial"], label="the tutorial's hand-written code"),
-        Patch(color=_COLORS["ox"], label="offload_eqx"),
-        Line2D([], [], color="k", ls="--", label="analytic lower bound"),
-        Line2D([], [], color="red", marker="*", ms=11, ls="", label="published (tutorial, GPU)"),
+    # A legend entry only for what some panel draws: no star without the h100 panel (the
+    # `cuda` extra), no blue bar where the tutorial has no program.
+    entries = [
+        (
+            any(r["tutorial"] for r in rows),
+            Patch(color=_COLORS["tutorial"], label="the tutorial's hand-written code"),
+        ),
+        (any(r["offload_eqx"] for r in rows), Patch(color=_COLORS["ox"], label="offload_eqx")),
+        (
+            any(r["bound"] is not None for r in rows),
+            Line2D([], [], color="k", ls="--", label="analytic lower bound"),
+        ),
+        (
+            any(r["published_total"] is not None for r in rows),
+            Line2D(
+                [], [], color="red", marker="*", ms=11, ls="", label="published (tutorial, GPU)"
+            ),
+        ),
     ]
-    figure.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=10)
+    handles = [handle for drawn, handle in entries if drawn]
+    if handles:
+        figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=10)
     figure.suptitle(
         f"{workload} offloading: device memory of one step "
         "(temp + argument + output - alias; numbers on the bars)",

@@ -174,6 +174,23 @@ def plot(rows: list[dict], path: Path) -> bool:
     groups = sorted(
         {(r["config"], r["target"]) for r in rows}, key=lambda g: (list(CONFIGS).index(g[0]), g[1])
     )
+    # A (config, target) without a single bar (a short run compiles only a refused plan on
+    # tpu-v5p) is no series: it is left out, its refusals said above the legend instead.
+    without_bars = [
+        g
+        for g in groups
+        if all(_cell(r) is not None for r in rows if (r["config"], r["target"]) == g)
+    ]
+    groups = [g for g in groups if g not in without_bars]
+    if not groups:
+        return False
+    left_out = [
+        f"{c} on {t}: {r['strategy']} {_cell(r)}"
+        for c, t in without_bars
+        for r in rows
+        if (r["config"], r["target"]) == (c, t) and not str(_cell(r)).startswith("not ")
+    ]
+    rows = [r for r in rows if (r["config"], r["target"]) in groups]
     names = [n for n in STRATEGIES if any(r["strategy"] == n for r in rows)]
     colors = plt.get_cmap("tab10").colors
     height = 0.8 / len(groups)
@@ -238,7 +255,16 @@ def plot(rows: list[dict], path: Path) -> bool:
         Patch(color=colors[i % len(colors)], label=f"{c} on {t}") for i, (c, t) in enumerate(groups)
     ]
     handles.append(Line2D([], [], color="k", ls="--", label="device capacity (one chip)"))
-    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=10)
+    legend = figure.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncols=len(handles),
+        fontsize=10,
+        # Above the entries, where constrained layout leaves it room.
+        title=("Not drawn, no figure: " + "; ".join(left_out)) if left_out else None,
+        title_fontsize=9,
+    )
+    legend.get_title().set_color("tab:red")
     figure.suptitle(
         "Llama-like decoder, full training step (AdamW), bf16, seq 2048: one step compiled "
         "per strategy (numbers at the bar ends)",

@@ -1,34 +1,32 @@
-"""offload_eqx: host offloading for Equinox models, declared on fields and audited.
+"""offload_eqx: host offloading for Equinox models, declared on the model and checked.
 
-The modules form layers; each imports only from the layers above it:
+Accelerator memory is often what limits training. JAX can keep arrays in host memory
+(the `pinned_host` memory kind) and move them in and out during a step, but each program
+then needs its own shardings and remat policies, and a misspelt activation name
+silently offloads nothing. Here a model says where each of its arrays lives and what to
+do with each named activation; one wrapper compiles that plan, and the package reports
+and checks what it does.
 
-1. vocabulary: `_placement` (ox.field), `_activations` (ox.activations), `_strategy`,
-   `_table` (the one table formatter), `_errors` (exception types), `_options` (the
-   planners' options, checked before any work), `_primitives` (what each JAX primitive
-   means to the plan and the audit).
-2. sharding: `_memory_space` (host or device types, explicit moves), `_mesh` (specs over
-   a mesh, moving arrays onto it).
-3. plan: `_plan_walk` (reading annotations), `_remat_policy` (names under a strategy),
-   `_leaf_plan` (where one leaf lives), `_plan_print`, `_plan` (every placement rule: memory,
-   sharding, mirrored optimizer state, donation, outputs <-> arguments, the name checks).
-4. tracing: `_trace_state` (the one trace state), `_fetches` (what a region fetches,
-   ox.fetch), `_regions` (ox.scan, ox.checkpoint, ox.name), `_annotate`, `_own_regions`
-   (modules with host fields bring a region), `_place` (ox.place, ox.abstract, ox.shard),
-   `_checkpoints` (restoring into planned memory), `_guard` (implicit transfers at run
-   time), `_host_use`, `_runtime_errors` (`eqx.error_if` raised from the call),
-   `_compile` (one compiled entry), `_call_errors` (a failed call said in leaf paths),
-   `_interrupts` (Ctrl-C held during donating calls), `_jit_cache` (the compile cache,
-   the function's), `_aot` (lowered and compiled steps), `_dispatch` (the per-call path),
-   `_jit` (ox.filter_jit).
-5. optimizer: `_optimizer_state`, `_optimizer_checks`, `_optimizer_stream`, `_optimizer`
-   (ox.offload_optimizer, ox.update_and_apply, ox.apply_updates).
-6. inspection: `_transfer_report`, `_jaxpr_walk`, `_audit` (ox.audit), `_targets`
-   (targets and their speeds), `_target_devices`, `_deviceless`, `_memory_report`
-   (ox.memory_report).
-7. planning: `_flops` (the work of a traced step per phase), `_calibrate` (this machine's
-   speeds), `_estimate` (ox.estimate), `_fit_space`, `_fit_result`, `_fit_search`,
-   `_fit_refine`, `_fit` (ox.fit),
-   `_max_batch` (ox.max_batch).
+Import it as `import offload_eqx as ox`. The entry points, by task:
+
+- Declare placements: `ox.field(memory="pinned_host")` on `eqx.Module` fields,
+  `ox.annotate` for modules you did not write; `ox.name` and `ox.activations` for
+  activations to save, offload or recompute.
+- Run layers where the activation policy applies: `ox.scan` (stacked layers),
+  `ox.checkpoint` (one module).
+- Compile and run a step: `ox.filter_jit` (`strategy=` a name in `ox.STRATEGIES` or an
+  `ox.Strategy`), `ox.place` to put arrays where the plan says.
+- Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply`.
+- See what moves: `ox.audit`, `ox.no_implicit_transfers`, `step.plan(...)`.
+- Memory without the hardware: `ox.memory_report`, `ox.compare_memory`
+  (`target="h100"` or `"tpu-v5p"`).
+- Plan a run: `ox.estimate` (predicted step time), `ox.fit` (the fastest plan that
+  fits), `ox.max_batch` (the largest batch that fits).
+- Checkpoints: `ox.save_checkpoint`, `ox.restore_checkpoint`.
+
+Every public name has a docstring (`help(ox.fit)`). The repository's README.md has the
+first examples; its documentation site (concepts, a guide per task, the API reference)
+is built with `nox -s docs` into `site/index.html`.
 """
 
 from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)

@@ -110,8 +110,10 @@ def _region(
             out_types[:] = [_type_of(x) for x in jax.tree_util.tree_leaves(out)]
             return out
 
-    if plan.saves_everything and not has_host_leaves:
-        # Nothing to recompute and nothing to fetch: a plain call, as without offload_eqx.
+    if plan.saves_everything and not has_host_leaves and not plan.offloads_activations:
+        # Nothing to fetch and nothing to offload: a plain call, as without offload_eqx.
+        # A name offloaded under `save` (`names={"h": "offload"}`) needs the region: the
+        # policy that offloads it applies only inside one.
         return body
     checkpointed = eqx.filter_checkpoint(
         body, policy=policy or plan.policy, prevent_cse=prevent_cse

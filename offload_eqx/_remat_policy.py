@@ -40,10 +40,9 @@ _UNDECLARED_OVERRIDE = (
 _NOTHING_TO_OFFLOAD = (
     "Activation {name!r} is declared {policy!r} by `{module}` and offloaded under strategy "
     "{strategy!r}, but the backward pass never reads it, so the program saves nothing of it "
-    "and there is nothing to offload (the derivative of what consumes it reads something "
-    "else: `relu`'s reads its input, a sum reads nothing). Name the value the backward pass "
-    "does read (often the input of the operation: `ox.name(x, {name!r})` before it), or "
-    "declare {name!r} 'remat'."
+    "and there is nothing to offload (the derivatives of the operations that use it need "
+    "other values, or none). Name the value the backward pass does read (often the input "
+    "of the operation: `ox.name(x, {name!r})` before it), or declare {name!r} 'remat'."
 )
 
 
