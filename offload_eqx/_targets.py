@@ -103,7 +103,7 @@ class Target:
     """
 
     name: str
-    platform: Platform
+    platform: str  # a `Platform`, checked with a message when the target is made
     topology: str = ""
     config: str | None = None
     chips_per_host: tuple[int, ...] | None = None
@@ -129,7 +129,7 @@ def _positive(value: object) -> bool:
         isinstance(value, (int, float, np.integer, np.floating))
         and not isinstance(value, bool)
         and bool(np.isfinite(value))
-        and value > 0
+        and bool(value > 0)
     )
 
 

@@ -407,7 +407,7 @@ def _case_speeds_zero_flops(model, opt_state):
 
 
 def _case_speeds_efficiency_above_one(model, opt_state):
-    ox.Speeds(1e15, 50, 1e12, 1e10, 1e10, 1e12, 1e11, 2**40)
+    ox.Speeds(1e15, 50.0, 1e12, 1e10, 1e10, 1e12, 1e11, 2**40)
 
 
 def _case_layer_split_float_count(model, opt_state):
@@ -514,7 +514,7 @@ BAD_INPUTS = [
     (
         _case_speeds_efficiency_above_one,
         ValueError,
-        r"ox.Speeds\(efficiency=50\): expected a fraction in \(0, 1\]",
+        r"ox.Speeds\(efficiency=50.0\): expected a fraction in \(0, 1\]",
     ),
     (_case_layer_split_float_count, ValueError, r"how many layers \(an integer, 0 or more\)"),
     (
