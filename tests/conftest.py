@@ -1,11 +1,33 @@
 import os
 
+import pytest
+
 # Before jax is imported anywhere: choose the platform (the CUDA plugin, when installed
 # for deviceless compiles, otherwise probes for a driver). Strict dtype promotion is not
 # switched on: optax's own Adam mixes Python floats with its int32 step count.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the cases marked `full` (every real-model family under every strategy)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "deviceless: compiles for h100/tpu-v5p without the hardware")
     config.addinivalue_line("markers", "multidevice: needs 8 CPU devices or 2 processes")
+    config.addinivalue_line(
+        "markers", "full: a case the default run leaves to `--full` (the test command's time)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="run with --full")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
