@@ -30,7 +30,7 @@ CPU_ENV = {
 # pytest-xdist workers, each test sent to an idle one, where there are cores to spare.
 # Not on 2 cores: XLA compiles and runs on every core already, and two workers made the
 # unit tests 25 min and the deviceless ones 13 min on this project's 2-core machine,
-# against 22 and 10 serially. `-- -n 2` asks for workers anyway, `-- -n 0` for none.
+# against 22 and 10 serially in the CI run before. `-- -n 2` asks for workers anyway.
 PARALLEL = ("-n", "auto", "--dist", "worksteal") if (os.cpu_count() or 1) > 4 else ()
 
 
