@@ -498,6 +498,7 @@ def test_arguments_on_two_devices_are_named_by_path():
     assert is_incompatible_devices(caught.value)  # JAX's words, pinned
 
 
+@on_eight_devices
 def test_optimizer_state_is_made_on_the_device_of_its_model():
     """`opt.init` of a model committed to device 3 put the moments on device 0, and the
     step then asked for the model on device 0 (issue 26, item 16)."""
