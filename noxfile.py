@@ -27,11 +27,12 @@ CPU_ENV = {
 }
 
 
-# pytest-xdist workers, each test sent to an idle one, where there are cores to spare.
-# Not on 2 cores: XLA compiles and runs on every core already, and two workers made the
-# unit tests 25 min and the deviceless ones 13 min on this project's 2-core machine,
-# against 22 and 10 serially in the CI run before. `-- -n 2` asks for workers anyway.
-PARALLEL = ("-n", "auto", "--dist", "worksteal") if (os.cpu_count() or 1) > 4 else ()
+# pytest-xdist workers, one per core, each test sent to an idle one. On 2 cores this is
+# not faster (XLA compiles and runs on every core already: 25 min for the unit tests
+# against 22 serially in the CI run before), but one process running the whole suite
+# crashed in an XLA:CPU compile near its end (a segfault, 2026-11-26) where two workers,
+# each compiling half, passed. `-- -n 0` runs one process.
+PARALLEL = ("-n", "auto", "--dist", "worksteal")
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
