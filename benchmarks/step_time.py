@@ -241,7 +241,7 @@ def measure_speeds() -> ox.Speeds | None:
     datasheet figures): the calibration `ox.estimate` runs once per process."""
     if jax.default_backend() != "cpu":
         return None
-    from offload_eqx._calibrate import cpu_speeds  # private: the uncached measurement
+    from offload_eqx._targets.calibrate import cpu_speeds  # private: the uncached measurement
 
     return cpu_speeds.__wrapped__()
 

@@ -29,60 +29,60 @@ first examples; its documentation site (concepts, a guide per task, the API refe
 is built with `nox -s docs` into `site/index.html`.
 """
 
-from . import _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
-from ._activations import (
-    Activations as Activations,
-    LayerSplit as LayerSplit,
-    activations as activations,
-)
-from ._annotate import annotate as annotate
-from ._audit import audit as audit
-from ._checkpoints import (
+from ._arrays.checkpoints import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
     tree_deserialise_leaves as tree_deserialise_leaves,
 )
-from ._errors import (
+from ._arrays.place import abstract as abstract, place as place, shard as shard
+from ._base.errors import (
     ContractError as ContractError,
     HostUseError as HostUseError,
     ImplicitTransferError as ImplicitTransferError,
     Violation as Violation,
 )
-from ._estimate import StepEstimate as StepEstimate, estimate as estimate
-from ._fetches import fetch as fetch
-from ._fit import fit as fit
-from ._fit_result import Candidate as Candidate, FitResult as FitResult
-from ._guard import no_implicit_transfers as no_implicit_transfers
-from ._jaxpr_walk import host_compute as host_compute
-from ._jit import FilterJit as FilterJit, filter_jit as filter_jit
-from ._jit_cache import clear_caches as clear_caches
-from ._max_batch import max_batch as max_batch
-from ._memory_report import (
+from ._declare.activations import (
+    Activations as Activations,
+    LayerSplit as LayerSplit,
+    activations as activations,
+)
+from ._declare.placement import Placement as Placement, field as field
+from ._declare.strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
+from ._fit.fit import fit as fit
+from ._fit.result import Candidate as Candidate, FitResult as FitResult
+from ._inspect.audit import audit as audit
+from ._inspect.jaxpr_walk import host_compute as host_compute
+from ._inspect.memory_report import (
     MemoryComparison as MemoryComparison,
     MemoryReport as MemoryReport,
     compare_memory as compare_memory,
     memory_report as memory_report,
 )
-from ._optimizer import (
+from ._inspect.transfer_report import (
+    HostComputation as HostComputation,
+    Transfer as Transfer,
+    TransferReport as TransferReport,
+)
+from ._jit.cache import clear_caches as clear_caches
+from ._jit.guard import no_implicit_transfers as no_implicit_transfers
+from ._jit.jit import FilterJit as FilterJit, filter_jit as filter_jit
+from ._optimizer.optimizer import (
     apply_updates as apply_updates,
     offload_optimizer as offload_optimizer,
     update_and_apply as update_and_apply,
 )
-from ._place import abstract as abstract, place as place, shard as shard
-from ._placement import Placement as Placement, field as field
-from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
-from ._regions import checkpoint as checkpoint, name as name, scan as scan
-from ._strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
-from ._targets import (
+from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
+from ._planning.estimate import StepEstimate as StepEstimate, estimate as estimate
+from ._planning.max_batch import max_batch as max_batch
+from ._targets.targets import (
     TARGETS as TARGETS,
     Speeds as Speeds,
     Target as Target,
     register_target as register_target,
 )
-from ._transfer_report import (
-    HostComputation as HostComputation,
-    Transfer as Transfer,
-    TransferReport as TransferReport,
-)
+from ._trace import own_regions as _own_regions  # noqa: F401  (gives classes declaring ox.field a region)
+from ._trace.annotate import annotate as annotate
+from ._trace.fetches import fetch as fetch
+from ._trace.regions import checkpoint as checkpoint, name as name, scan as scan
 
 __version__ = "0.1.0"

@@ -27,7 +27,7 @@ def pytest_configure(config):
 @pytest.fixture(name="no_implicit_transfers")
 def no_implicit_transfers_fixture():
     """Run the test body under `ox.no_implicit_transfers()`."""
-    from offload_eqx._guard import no_implicit_transfers
+    from offload_eqx._jit.guard import no_implicit_transfers
 
     with no_implicit_transfers():
         yield
@@ -37,7 +37,7 @@ def no_implicit_transfers_fixture():
 def pytest_runtest_call(item):
     if item.get_closest_marker(MARKER) is None or MARKER in getattr(item, "fixturenames", ()):
         return (yield)
-    from offload_eqx._guard import no_implicit_transfers
+    from offload_eqx._jit.guard import no_implicit_transfers
 
     with no_implicit_transfers():
         return (yield)

@@ -10,7 +10,7 @@ import pytest
 from helpers import Layer, ScannedModel, make_optimizer, make_step, scanned_model
 
 import offload_eqx as ox
-from offload_eqx._options import checks_options
+from offload_eqx._base.options import checks_options
 
 
 def test_unknown_memory():

@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import offload_eqx as ox
-from offload_eqx._target_devices import target_devices
+from offload_eqx._targets.devices import target_devices
 
 pytestmark = pytest.mark.deviceless
 

@@ -217,7 +217,7 @@ def test_compiles_running_out_says_so_and_names_what_is_untried(problem, between
 
 
 def test_compiler_crashes_are_listed_and_not_taken_for_no_fit(problem, between, monkeypatch):
-    import offload_eqx._fit_search as fit_search
+    import offload_eqx._fit.search as fit_search
 
     real = fit_search.memory_report
 
@@ -241,7 +241,7 @@ def test_compiler_crashes_are_listed_and_not_taken_for_no_fit(problem, between, 
 
 
 def test_an_unsearched_part_is_explained_by_a_whole_sentence():
-    from offload_eqx._fit import _first_sentence
+    from offload_eqx._fit.price import _first_sentence
 
     long = "Activation 'k' is declared 'offload' " + "and more " * 30 + "here. Then a fix."
     assert _first_sentence("Short one. Second.") == "Short one"

@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.compute_on import compute_on
 from jaxtyping import Array, Float, PyTree
 
-from offload_eqx._flops import PhaseWork, count_work
+from offload_eqx._planning.flops import PhaseWork, count_work
 
 B, IN, WIDTH, OUT, DEPTH = 4, 8, 16, 3, 2
 LAYERS = [(IN, WIDTH), (WIDTH, WIDTH), (WIDTH, OUT)]  # (in, out) of each eqx.nn.MLP layer

@@ -18,7 +18,7 @@ import pytest
 from jaxtyping import Array, Float
 
 import offload_eqx as ox
-import offload_eqx._guard as guard
+import offload_eqx._jit.guard as guard
 from offload_eqx import ImplicitTransferError, no_implicit_transfers
 
 

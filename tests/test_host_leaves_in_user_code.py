@@ -111,7 +111,7 @@ def test_a_few_host_leaves_misused_among_hundreds_are_found_in_a_few_traces(monk
     """A `HostUseError` over 400 host leaves took 50 s: the step was traced once per leaf
     (issue 26, item 12). The leaves are now told apart by halving groups (the search's
     time limit lifted: this machine's speed must not decide what is found)."""
-    monkeypatch.setattr("offload_eqx._host_use._SECONDS", 600.0)
+    monkeypatch.setattr("offload_eqx._jit.host_use._SECONDS", 600.0)
 
     class Many(eqx.Module):
         ws: list

@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from offload_eqx._call_errors import is_deleted_buffer
-from offload_eqx._errors import (
+from offload_eqx._base.errors import (
     is_host_cotangent_mismatch,
     is_placement_mismatch,
     mixes_memory_spaces,
 )
+from offload_eqx._jit.call_errors import is_deleted_buffer
 
 
 def test_mixed_memory_spaces_is_recognised():

@@ -12,8 +12,8 @@ import pytest
 from helpers import seed_model
 
 import offload_eqx as ox
-from offload_eqx import _max_batch
-from offload_eqx._max_batch import LARGEST_BATCH, _largest_fit
+from offload_eqx._planning import max_batch as _max_batch
+from offload_eqx._planning.max_batch import LARGEST_BATCH, _largest_fit
 
 WIDTH = 64
 

@@ -16,8 +16,8 @@ from helpers import seed_model
 
 import offload_eqx as ox
 from offload_eqx import compare_memory, memory_report
-from offload_eqx._table import format_bytes
-from offload_eqx._targets import TARGETS, Target, get_target
+from offload_eqx._base.table import format_bytes
+from offload_eqx._targets.targets import TARGETS, Target, get_target
 
 MiB = 2**20
 LAYERS, BATCH, WIDTH, HIDDEN = 10, 256, 256, 1024

@@ -475,7 +475,7 @@ def test_two_processes_match_one_process(tmp_path):
 def test_arguments_on_two_devices_are_named_by_path():
     """JAX said `argument dynamic[0] of make_flat.<locals>.flat`; the error names the
     leaf, its device and the fix (issue 17, item 7)."""
-    from offload_eqx._call_errors import is_incompatible_devices
+    from offload_eqx._jit.call_errors import is_incompatible_devices
 
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
     x = jax.device_put(jnp.ones((3, 4)), jax.devices()[1])

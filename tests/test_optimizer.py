@@ -13,7 +13,7 @@ import pytest
 from helpers import loss_fn, scanned_model, to_numpy
 
 import offload_eqx as ox
-from offload_eqx._optimizer_state import DeviceState, OffloadedState
+from offload_eqx._optimizer.state import DeviceState, OffloadedState
 
 
 def _labels(model):

@@ -18,7 +18,7 @@ from helpers import loss_fn, scanned_model, to_numpy
 from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
-from offload_eqx._optimizer_state import HostUpdatedState
+from offload_eqx._optimizer.state import HostUpdatedState
 
 
 def _not_bias(model):

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import offload_eqx as ox
-from offload_eqx._optimizer_checks import check_elementwise, check_per_leaf
-from offload_eqx._optimizer_state import OffloadedState, StreamState
+from offload_eqx._optimizer.checks import check_elementwise, check_per_leaf
+from offload_eqx._optimizer.state import OffloadedState, StreamState
 
 
 class MLP(eqx.Module):

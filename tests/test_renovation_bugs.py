@@ -13,6 +13,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
+from offload_eqx._jit.jit import CACHE_WARNING
 
 STRATEGIES = ["annotated", "baseline", "remat", "offload_params", "offload_optimizer", "hybrid"]
 
@@ -196,7 +197,7 @@ def test_the_cache_key_holds_shapes_and_warns_when_statics_keep_changing():
     assert step.compilations == 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in range(ox._jit.CACHE_WARNING):
+        for i in range(CACHE_WARNING):
             step(jnp.ones(3), float(i))
     messages = [str(w.message) for w in caught]
     assert any("compiled 32 versions" in m and "`scale` (" in m for m in messages), messages
@@ -208,10 +209,10 @@ def test_a_new_batch_size_per_call_warns_when_programs_pile_up():
     step = ox.filter_jit(lambda x: x * 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for size in range(1, ox._jit.CACHE_WARNING + 1):
+        for size in range(1, CACHE_WARNING + 1):
             step(jnp.ones(size))
     messages = [str(w.message) for w in caught]
-    assert step.compilations == ox._jit.CACHE_WARNING
+    assert step.compilations == CACHE_WARNING
     assert len(messages) == 1, messages
     assert "compiled 32 versions" in messages[0]
     assert "32 of them differ only in the shapes" in messages[0]

@@ -1,0 +1,7 @@
+"""The user's arrays put where the plan says, and kept there across a restart:
+`ox.place`, `ox.shard`, `ox.abstract` (`place`); checkpoints saved and restored into
+planned memory (`checkpoints`), their files read leaf by leaf (`checkpoint_files`) and
+checked before anything is read (`checkpoint_checks`).
+
+May import `_base` to `_trace`.
+"""

@@ -1,0 +1,164 @@
+"""What `ox.fit` returns: the chosen plan, its estimate, and every candidate it weighed."""
+
+import dataclasses
+import time
+from typing import Any
+
+from .._base.table import format_bytes, format_table
+from .._planning.estimate import StepEstimate
+from .search import Search
+from .space import Candidate, Space
+
+_NO_PLAN = (
+    "ox.fit: no plan of this step fits {target!r} within a device budget of {budget} and "
+    "a host budget of {host_budget}."
+)
+_SHOWN = (
+    " The least device memory found was {least} ({host} on the host), by the plan {plan}, "
+    "which keeps least on the device: lower the batch (`ox.max_batch` finds the largest "
+    "that fits) or raise a budget."
+)
+_UNTRIED = (
+    " The {compiles} compiles allowed ran out with {count} plans untried that might fit "
+    "(their predicted memory is within the budgets), the fastest: {plans}. Raise "
+    "`max_compiles`."
+)
+_LEAST = " The least device memory measured was {least} ({host} on the host), by {plan}."
+_CRASHED = (
+    " {count} more plans were not compiled because plans of the same placement crashed "
+    "the compiler (listed below): a compiler limit, not a memory one; another target or "
+    "placement may avoid it."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `ox.fit` chose, and every candidate with why it was or was not chosen.
+
+    - `strategy`: the chosen plan as an `ox.Strategy`: give it to
+        `ox.filter_jit(fn, strategy=...)`.
+    - `estimate`: its `ox.StepEstimate` (compiled: device and host bytes included).
+    - `candidates`: every `ox.Candidate` considered, in the order the search met them.
+    - `traces`, `compiles`, `seconds_searching`: what the search cost.
+    - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails).
+
+    `table()` prints the chosen plan, the notes and the candidates; `to_dict()` for JSON.
+    """
+
+    strategy: Any
+    estimate: StepEstimate
+    candidates: tuple[Candidate, ...]
+    traces: int
+    compiles: int
+    seconds_searching: float
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as plain values (the strategy by its name), for JSON."""
+        return {
+            "strategy": self.strategy.name,
+            "estimate": self.estimate.to_dict(),
+            "candidates": [c.as_dict() for c in self.candidates],
+            "traces": self.traces,
+            "compiles": self.compiles,
+            "seconds_searching": self.seconds_searching,
+            "notes": list(self.notes),
+        }
+
+    def table(self, limit: int = 10) -> str:
+        """The chosen plan, the notes, every compiled candidate and the `limit` next
+        fastest others (the rest counted by status)."""
+        shown = [c for c in self.candidates if c.device_bytes is not None or c.status == "best"]
+        rest = [c for c in self.candidates if c not in shown]
+        shown += rest[:limit]
+        counts: dict[str, int] = {}
+        for c in rest[limit:]:
+            counts[c.status] = counts.get(c.status, 0) + 1
+        rows = [
+            (
+                c.label,
+                f"{c.seconds * 1e3:.3f}",
+                format_bytes(int(c.moved)),
+                "-" if c.device_bytes is None else format_bytes(c.device_bytes),
+                "-" if c.host_bytes is None else format_bytes(c.host_bytes),
+                c.status,
+            )
+            for c in shown
+        ]
+        more = [f"... and {n} more: {status}" for status, n in counts.items()]
+        return "\n".join(
+            [
+                f"ox.fit on {self.estimate.target!r}: {self.strategy.name} "
+                f"({self.estimate.seconds * 1e3:.3f} ms predicted; {self.traces} traces, "
+                f"{self.compiles} compiles, {self.seconds_searching:.1f} s)",
+                *self.notes,
+                format_table(
+                    ("plan", "ms", "moved", "device", "host", "status"), rows, numeric=False
+                ),
+                *more,
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+    __repr__ = __str__
+
+
+def explain(search: Search, space: Space) -> ValueError:
+    """Why no plan fits: shown by the most frugal plan's compile, or not shown (plans that
+    might fit were left untried), with the compiler's crashes listed."""
+    message = _NO_PLAN.format(
+        target=search.target.name,
+        budget=format_bytes(search.budget),
+        host_budget=format_bytes(search.host_limit),
+    )
+    frugal = search.rows.get(space.frugal())
+    untried = [
+        (row.seconds, row.label)
+        for choice, row in search.rows.items()
+        if row.status.startswith("not compiled: the")
+        and search.bound(choice) <= search.budget
+        and search.host_bound(choice) <= search.host_limit
+    ]
+    if untried:
+        shown = "; ".join(label for _, label in sorted(untried)[:3])
+        message += _UNTRIED.format(compiles=search.max_compiles, count=len(untried), plans=shown)
+    elif frugal is not None and frugal.device_bytes is not None:
+        message += _SHOWN.format(
+            plan=frugal.label,
+            least=format_bytes(frugal.device_bytes),
+            host=format_bytes(frugal.host_bytes or 0),
+        )
+    if search.least is not None and not (frugal is not None and frugal.device_bytes):
+        device, host, label = search.least
+        message += _LEAST.format(least=format_bytes(device), host=format_bytes(host), plan=label)
+    failed = [
+        f"\n  {row.label}: {row.status}"
+        for row in search.rows.values()
+        if row.status.startswith(("does not fit", "compile failed"))
+    ]
+    skipped = sum("crashed the compiler" in row.status for row in search.rows.values())
+    if skipped:
+        message += _CRASHED.format(count=skipped)
+    return ValueError(message + "".join(failed))
+
+
+def result_of(search: Search, notes: list[str], started: float) -> FitResult:
+    assert search.best is not None
+    _, choice, chosen = search.best
+    candidates = [
+        dataclasses.replace(
+            row, strategy=c.strategy(search.fixed), status="best" if c == choice else row.status
+        )
+        for c, row in search.rows.items()
+    ]
+    return FitResult(
+        strategy=choice.strategy(search.fixed),
+        estimate=chosen,
+        candidates=tuple(candidates),
+        traces=search.traces,
+        compiles=search.compiles,
+        seconds_searching=time.perf_counter() - started,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,334 @@
+"""The state of one `ox.fit` search: traces, compiles, what they taught, and every row.
+
+A `Search` traces and compiles candidate plans (`Choice`s) once each. What a compile
+teaches is kept per base *and* placement (where parameters and optimizer state live): a
+plan that keeps on the device at least what a compiled plan of the same base and
+placement kept (the same names saved, in at least as many layers), where that one did not
+fit, does not fit either and is not compiled. A plan is also not compiled when what it
+needs at least, its device arguments and the named values it saves, is over the budget;
+and when `CRASHES_PER_PLACEMENT` plans of its placement crashed the compiler.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._base.errors import ContractError
+from .._base.table import format_bytes
+from .._declare.activations import LayerSplit
+from .._inspect.memory_report import memory_report
+from .._jit.jit import FilterJit, filter_jit
+from .._planning.estimate import (
+    Costs,
+    Load,
+    StepEstimate,
+    estimate_from,
+    load_of,
+    predict,
+    speeds_of,
+    trace_costs,
+)
+from .._targets.targets import Target
+from .space import Candidate, Choice, NamedValue
+
+# Moving a leaf off the device frees more than its bytes: its gradient, and the float32
+# temporaries of its update (a bf16 parameter moved to the host freed 3.5 times its bytes
+# on the planner tests' decoder). A plan of another placement is pruned by a compiled one
+# that did not fit only if it would not fit with 8 times the moved bytes freed.
+FREED_PER_BYTE = 8
+# After this many compiler crashes among plans of one placement, the rest of that
+# placement is not compiled: XLA:TPU crashes on every plan that keeps stacked parameters
+# in host memory, whatever it saves (`Search.why_not_compiled`).
+CRASHES_PER_PLACEMENT = 2
+# A plan predicted within this share of the best plan that fits is not compiled, and a
+# family between plans is searched only if its fast end gains more (`refine`).
+MIN_GAIN = 0.005
+
+
+def key_of(seconds: float, load: Load) -> tuple:
+    """The order of plans: predicted time, then (equal to 6 significant digits) the plan
+    that moves and recomputes least."""
+    return (float(f"{seconds:.6g}"), load.moved, load.recompute_flops)
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _share(policy: Any, wanted: str, layers: int) -> float:
+    """The share of a name's layers in which its policy is `wanted`."""
+    if isinstance(policy, LayerSplit):
+        first = min(policy.layers, layers) / layers
+        return (first if policy.first == wanted else 0.0) + (
+            1.0 - first if policy.rest == wanted else 0.0
+        )
+    return 1.0 if policy == wanted else 0.0
+
+
+@dataclasses.dataclass
+class Search:
+    # An `ox.filter_jit` step (typed Any: as a class annotation, a Module's `__get__`
+    # would make type checkers read it as a bound method).
+    step: Any
+    args: tuple
+    kwargs: dict
+    target: Target
+    budget: int
+    host_limit: int
+    max_compiles: int
+    progress: Callable[[str], None]
+    produced: Mapping[str, NamedValue] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    costs: dict = dataclasses.field(default_factory=dict)
+    wrappers: dict = dataclasses.field(default_factory=dict)
+    traces: int = 0
+    compiles: int = 0
+    # Compiled plans that did not fit (or that the compiler refused for memory), with the
+    # device bytes they needed, by (base, placement): see `dominated`.
+    over: dict = dataclasses.field(default_factory=dict)
+    rows: dict = dataclasses.field(default_factory=dict)  # Choice -> Candidate
+    crashed: dict = dataclasses.field(default_factory=dict)  # placement -> [first lines]
+    best: tuple | None = None  # (key, choice, estimate) of the best plan that fits
+    least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
+
+    def __post_init__(self):
+        self.speeds = speeds_of(self.target)
+
+    # -- tracing -------------------------------------------------------------------------
+
+    def wrapper(self, choice: Choice) -> FilterJit:
+        # One wrapper per plan: its trace, plan and compile are asked for several times.
+        if choice not in self.wrappers:
+            self.wrappers[choice] = filter_jit(
+                self.step.fn,
+                strategy=choice.strategy(self.fixed),
+                donate=self.step.donate,
+                mesh=self.step.mesh,
+            )
+        return self.wrappers[choice]
+
+    def trace(self, choice: Choice) -> Costs | Exception:
+        if choice not in self.costs:
+            try:
+                self.costs[choice] = trace_costs(
+                    self.wrapper(choice), self.args, self.kwargs, self.speeds
+                )
+            except ContractError as error:  # e.g. a name with nothing to offload
+                self.costs[choice] = error
+            except ValueError as error:  # a streamed optimizer cannot update on the host
+                if choice.optimizer != "host":
+                    raise
+                self.costs[choice] = error
+            self.traces += 1
+            self.report()
+        return self.costs[choice]
+
+    def report(self) -> None:
+        best = "none yet" if self.best is None else self._best_label()
+        self.progress(
+            f"ox.fit {self.target.name}: {self.traces} traced, {self.compiles} compiled, "
+            f"best so far: {best}"
+        )
+
+    def _best_label(self) -> str:
+        assert self.best is not None
+        _, choice, estimate = self.best
+        return f"{choice.label} ({estimate.seconds * 1e3:.3f} ms)"
+
+    # -- bounds --------------------------------------------------------------------------
+
+    def argument_bytes(self, choice: Choice, memory: str) -> int:
+        """Bytes of the arguments a plan puts in `memory` ("device" counts unmanaged
+        leaves too: they stay where they are, on the device)."""
+        plan = self.wrapper(choice).plan(*self.args, **self.kwargs)
+        memories = (None, "device") if memory == "device" else (memory,)
+        return sum(
+            int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            for leaf in plan.leaves
+            if leaf.memory in memories
+        )
+
+    def named(self, choice: Choice, policy: str) -> int:
+        """Bytes of the named values a plan gives `policy` (in the share of the layers
+        where it does). Under the save base the names saved are not counted: it keeps
+        whatever XLA's residuals are."""
+        if policy == "save" and choice.base == "save":
+            return 0
+        total = 0.0
+        for name, value in choice.names:
+            produced = self.produced.get(name)
+            if produced is not None:
+                total += produced.bytes * _share(value, policy, produced.layers)
+        return int(total)
+
+    def bound(self, choice: Choice) -> int:
+        """The device memory a plan needs at least: its device arguments, and the named
+        values it saves (alive together when the backward pass starts)."""
+        return self.argument_bytes(choice, "device") + self.named(choice, "save")
+
+    def kept(self, choice: Choice) -> dict[str, float]:
+        """The share of its layers in which each name is kept on the device."""
+        return {
+            name: _share(policy, "save", getattr(self.produced.get(name), "layers", 1))
+            for name, policy in choice.names
+        }
+
+    def dominated(self, choice: Choice) -> Choice | None:
+        """A compiled plan of the same base that did not fit, keeps no more named values
+        than `choice` keeps, and would still not fit with `FREED_PER_BYTE` times the
+        argument bytes `choice` moves off the device taken from it, if there is one (of
+        the same placement: it needed at least as much)."""
+        kept = self.kept(choice)
+        arguments = self.argument_bytes(choice, "device")
+        for (base, _), compiled in self.over.items():
+            for other, needed in compiled if base == choice.base else ():
+                theirs = self.kept(other)
+                if not all(kept.get(n, 0.0) >= share for n, share in theirs.items()):
+                    continue
+                moved = max(0, self.argument_bytes(other, "device") - arguments)
+                if needed - FREED_PER_BYTE * moved > self.budget:
+                    return other
+        return None
+
+    def host_bound(self, choice: Choice) -> int:
+        return self.argument_bytes(choice, "pinned_host") + self.named(choice, "offload")
+
+    def why_not_compiled(self, choice: Choice) -> str | None:
+        """Why a plan is not worth compiling: over a budget by its bound, or out of
+        compiles; None to compile it."""
+        bound = self.bound(choice)
+        if bound > self.budget:
+            return f"not compiled: predicted to need {format_bytes(bound)} of device memory"
+        heavier = self.dominated(choice)
+        if heavier is not None:
+            return f"not compiled: keeps at least what {heavier.label} kept, which did not fit"
+        host = self.host_bound(choice)
+        if host > self.host_limit:
+            return f"not compiled: needs at least {format_bytes(host)} of host memory"
+        crashes = self.crashed.get(choice.placement, [])
+        if len(crashes) >= CRASHES_PER_PLACEMENT:
+            return (
+                f"not compiled: {len(crashes)} plans of its placement crashed the compiler "
+                f"({crashes[0]})"
+            )
+        if self.compiles >= self.max_compiles:
+            return f"not compiled: the {self.max_compiles} compiles allowed were used"
+        return None
+
+    # -- compiling -----------------------------------------------------------------------
+
+    def compile(self, choice: Choice) -> Candidate:
+        """Trace `choice` exactly, compile it for the target, record its row (a plan
+        that does not fit is remembered for `dominated`), and keep it as the best if it
+        fits and is faster."""
+        label = choice.label
+        costs = self.trace(choice)
+        if isinstance(costs, Exception):
+            return self._row(
+                choice, Candidate(label, None, 0.0, 0, 0, None, None, str(costs)[:120])
+            )
+        exact = estimate_from(
+            self.wrapper(choice), self.args, self.kwargs, self.target, costs, compile=False
+        )
+        self.compiles += 1
+        moved = exact.h2d_bytes + exact.d2h_bytes
+
+        def row(device=None, host=None, status="fits") -> Candidate:
+            seconds, flops = exact.seconds, exact.recompute_flops
+            return Candidate(label, None, seconds, moved, flops, device, host, status)
+
+        try:
+            report = memory_report(
+                self.wrapper(choice), *self.args, target=self.target, **self.kwargs
+            )
+        except Exception as error:
+            if not is_out_of_memory(error):
+                # A compiler crash on one plan (XLA:TPU crashes on some host-resident
+                # layouts) is that plan's answer, shown in its row, not the search's end.
+                text = str(error).strip()
+                first = text.splitlines()[0][:160] if text else ""
+                self.crashed.setdefault(choice.placement, []).append(first[:80])
+                return self._row(
+                    choice, row(status=f"compile failed: {type(error).__name__}: {first}")
+                )
+            unknown = (choice, self.budget + 1)  # refused: more than the budget, at least
+            self.over.setdefault((choice.base, choice.placement), []).append(unknown)
+            return self._row(
+                choice, row(status="does not fit: the compiler ran out of device memory")
+            )
+        device, host = report.total, report.host_total
+        if device > self.budget:
+            self.over.setdefault((choice.base, choice.placement), []).append((choice, device))
+        if self.least is None or device < self.least[0]:
+            self.least = (device, host, label)
+        fits = device <= self.budget and host <= self.host_limit
+        status = (
+            "fits"
+            if fits
+            else f"over the device budget by {format_bytes(device - self.budget)}"
+            if device > self.budget
+            else f"over the host budget by {format_bytes(host - self.host_limit)}"
+        )
+        exact_key = key_of(exact.seconds, load_of(costs))
+        if fits and (self.best is None or exact_key < self.best[0]):
+            chosen = dataclasses.replace(exact, device_bytes=device, host_bytes=host)
+            self.best = (exact_key, choice, chosen)
+        return self._row(choice, row(device, host, status))
+
+    def _row(self, choice: Choice, candidate: Candidate) -> Candidate:
+        self.rows[choice] = candidate
+        self.report()
+        return candidate
+
+    def skip(self, choice: Choice, seconds: float, load: Load, why: str) -> None:
+        label = choice.label
+        self.rows[choice] = Candidate(
+            label, None, seconds, load.moved, load.recompute_flops, None, None, why
+        )
+
+    @property
+    def best_estimate(self) -> StepEstimate | None:
+        return None if self.best is None else self.best[2]
+
+
+def compile_in_order(search: Search, loads: dict[Choice, Load]) -> None:
+    """Compile the candidates in order of predicted time until the rest are slower than
+    the best plan that fits; a candidate bounded over a budget is not compiled."""
+    priced = sorted(
+        ((key_of(predict(load, search.speeds)[0], load), choice) for choice, load in loads.items()),
+        key=lambda item: item[0],
+    )
+    for key, choice in priced:
+        load = loads[choice]
+        if choice in search.rows:
+            continue  # compiled already, as a probe
+        if search.best is not None and key > search.best[0]:
+            why = "not compiled: predicted slower than the best plan that fits"
+            search.skip(choice, key[0], load, why)
+            continue
+        if search.best is not None and key[0] > search.best[2].seconds * (1 - MIN_GAIN):
+            # Near the best: a compile is better spent on the plans between (`refine`).
+            why = "not compiled: predicted within 0.5% of the best plan that fits"
+            search.skip(choice, key[0], load, why)
+            continue
+        why = search.why_not_compiled(choice)
+        if why is not None:
+            search.skip(choice, key[0], load, why)
+            continue
+        row = search.compile(choice)
+        if row.device_bytes is None or row.device_bytes > search.budget:
+            _probe_frugal(search, choice, loads)
+
+
+def _probe_frugal(search: Search, over: Choice, loads: dict[Choice, Load]) -> None:
+    """After a plan does not fit, the plan of its base and placement that keeps no named
+    value on the device: if that does not fit either, no plan of the family does, and
+    none is compiled."""
+    relaxed = "remat" if over.base == "remat" else "offload"
+    frugal = over.with_(names=tuple((n, relaxed) for n, _ in over.names))
+    if frugal != over and frugal not in search.rows and frugal in loads:
+        if search.why_not_compiled(frugal) is None:
+            search.compile(frugal)

@@ -1,0 +1,7 @@
+"""What a compiled step does, reported: every transfer with its leaf path and bytes
+(`audit`: `ox.audit`, over the walk of the traced program in `jaxpr_walk`, reported as
+`transfer_report`), and device memory from the real compilers (`memory_report`:
+`ox.memory_report`, `ox.compare_memory`).
+
+May import every layer below it (`_base` to `_jit`, `_targets`).
+"""

@@ -1,0 +1,205 @@
+"""`ox.audit`: every transfer of a traced step, attributed, counted, and checked.
+
+The audit traces the step (nothing runs, arguments may be `jax.ShapeDtypeStruct`s, any
+backend) and walks its jaxpr. A transfer is a `device_put` whose input and output memory
+spaces differ. Its bytes are multiplied by the trip count of every enclosing `scan`; a
+`cond` counts its largest branch; a `while` loop, whose trip count is unknown, counts
+once. Values are followed through the program (into and out of scan, remat and jit
+bodies) so that each transfer is attributed to what it moves: a parameter or
+optimizer-state leaf by its path, a named activation, the gradient of a host-resident
+parameter, or a function output.
+
+The placement contract is checked on the same walk; each breach is a `Violation`
+naming a path, and `ox.audit` raises a `ContractError` listing them all (the report is on
+the error as `.report`).
+
+The walk itself (transfer attribution, phases, the checks made per equation) is in
+`jaxpr_walk`; the report types are in `transfer_report`. This module seeds the walk
+with where each argument comes from and which argument each output is the new value of,
+then adds what only the whole call shows: copies of arguments made before the program
+runs, outputs returned in the wrong memory, declared activations not handled as
+declared, and arguments on another device. A host-resident leaf used where it mixes
+memory spaces is found while tracing: `ox.filter_jit` raises `HostUseError` (a
+`ContractError`) naming the leaves, and the audit lets it through.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base.errors import (
+    ContractError as ContractError,
+    Violation as Violation,
+)
+from .._base.table import format_bytes
+from .._declare.activations import policies_of
+from .._jit.guard import device_offenders
+from .._jit.jit import FilterJit, filter_jit
+from .._plan.plan import Plan
+from .jaxpr_walk import (
+    _dce,
+    _is_var,
+    _nbytes,
+    _Origin,
+    _Walker,
+    host_compute as host_compute,
+)
+from .transfer_report import Transfer as Transfer, TransferReport as TransferReport
+
+# -- the entry point -------------------------------------------------------------------
+
+_ROLE_KIND: dict[str | None, str] = {"param": "parameter", "optimizer": "optimizer"}
+_WRONG_MEMORY = (
+    "Output `{out}` is returned in {got!r} memory, but it is the new value of `{path}`, "
+    "which the plan puts in {want!r}: every next call would move it back (implicitly, "
+    "{size}). Return it in {want!r}: update host-resident parameters with "
+    "`ox.apply_updates`, or send it back with `jax.device_put(x, jax.memory.Space.{space})`."
+)
+
+
+def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
+    """Every transfer of one call of `fn(*args, **kwargs)`, found on the traced program.
+
+    **Arguments:**
+
+    - `fn`: an `ox.filter_jit` function (its strategy, mesh and plan are used), or any
+        callable, which is wrapped with `ox.filter_jit`.
+    - `*args`, `**kwargs`: the call's arguments: arrays or `jax.ShapeDtypeStruct`s. Nothing
+        is run and nothing is compiled, so any backend works.
+
+    **Returns:** a `TransferReport`: each transfer's direction, what it belongs to (a
+    parameter or optimizer-state leaf path, an activation name, a gradient, an output),
+    shape, dtype, bytes per call (times the trip count of every enclosing scan; a cond
+    counts its largest branch) and phase (`forward`, `backward`, `update`, or `call` for
+    an argument copied before the program runs). `print(report)` shows a table;
+    `report.to_json()`, `report.assert_only(...)`, `report.assert_no_implicit()`.
+
+    **Raises:** `ContractError` (a `ValueError`) naming each leaf path that breaks the
+    placement contract: a host-resident leaf fetched outside a region or used unfetched,
+    arithmetic on host-typed values outside `ox.host_compute()`, host-typed gradients
+    reaching the optimizer, an activation not saved/offloaded/recomputed as declared, an
+    output returned in another memory than its argument's plan, an argument on another
+    device. The report is attached as `error.report` when the program could be traced.
+    """
+    return audit_traced(fn, *args, **kwargs)[0]
+
+
+def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[TransferReport, Any]:
+    """`audit`, and the traced program it walked (a `jax.extend.core.Jaxpr`, dead code
+    removed): `ox.estimate` counts the work of the same program."""
+    wrapper = fn if isinstance(fn, FilterJit) else filter_jit(fn)
+    name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
+    # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
+    # raises `HostUseError` naming it, which is the audit's answer too.
+    entry, leaves = wrapper.compilation(*args, **kwargs)
+    labelled = wrapper.arguments(*args, **kwargs)
+    plan: Plan = entry.plan
+    closed = entry.jaxpr or jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
+    jaxpr = _dce(closed.jaxpr)
+
+    matched = entry.output_arguments
+    out_paths = entry.output_paths()
+    outputs: dict[Any, tuple[str, str]] = {}
+    for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
+        if _is_var(var):
+            outputs[var] = (
+                (_ROLE_KIND.get(leaf.role, "input"), leaf.path)
+                if leaf is not None
+                else ("output", path)
+            )
+    walker = _Walker(outputs)
+    env = {
+        var: _Origin(_ROLE_KIND.get(leaf.role, "input"), leaf.path)
+        for var, leaf in zip(jaxpr.invars, plan.leaves)
+    }
+    walker.walk(jaxpr, env, 1, "forward", (), False, top=True)
+    transfers = _argument_transfers(entry, leaves) + walker.transfers
+
+    # Outputs land in the memory their argument is planned in.
+    for path, leaf, memory, aval in zip(out_paths, matched, entry.out_memories, entry.out_avals):
+        if leaf is not None and leaf.memory is not None and memory != leaf.memory:
+            walker.violate(
+                "output memory",
+                path,
+                _WRONG_MEMORY.format(
+                    out=path,
+                    got=memory,
+                    path=leaf.path,
+                    want=leaf.memory,
+                    size=format_bytes(_nbytes(aval)),
+                    space="Host" if leaf.memory == "pinned_host" else "Device",
+                ),
+            )
+    _check_activations(plan, walker, transfers)
+    _check_devices(labelled, walker)
+    report = TransferReport(
+        name, plan.strategy.name, transfers, walker.violations, walker.host_computations
+    )
+    return report.check(), jaxpr
+
+
+def _argument_transfers(entry: Any, leaves: list) -> list[Transfer]:
+    """Copies made before the program runs, on every call: NumPy arguments uploaded,
+    arrays not in the memory the plan puts them in (moved by `ox.filter_jit`)."""
+    found = []
+    for leaf, leaf_plan, sharding in zip(leaves, entry.plan.leaves, entry.in_shardings):
+        kind = _ROLE_KIND.get(leaf_plan.role, "input")
+        direction = None
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            direction = "host-to-device"
+        elif isinstance(leaf, jax.Array) and sharding is not None:
+            if leaf.sharding.memory_kind != sharding.memory_kind:
+                direction = (
+                    "device-to-host" if sharding.memory_kind == "pinned_host" else "host-to-device"
+                )
+        if direction is not None:
+            found.append(
+                Transfer(
+                    direction=direction,
+                    kind=kind,
+                    what=leaf_plan.path,
+                    shape=leaf_plan.shape,
+                    dtype=str(leaf_plan.dtype),
+                    count=1,
+                    bytes=leaf_plan.nbytes,
+                    phase="call",
+                    where="argument",
+                    implicit=True,
+                )
+            )
+    return found
+
+
+def _check_activations(plan: Plan, walker: _Walker, transfers: list[Transfer]) -> None:
+    """What only the walk shows. A declared name never produced, or offloaded yet never
+    moved, already failed the compilation (the plan's checks, shared with
+    `ox.filter_jit`); here: a name moved although its policy says otherwise."""
+    for name, policy in plan.activations.items():
+        declared, module_path = plan.declared_activations[name]
+        moved = [t for t in transfers if t.kind == "activation" and t.what == name]
+        if "offload" not in policies_of(policy) and moved:
+            walker.violate(
+                "activation moved",
+                name,
+                f"Activation {name!r} is declared {policy!r} (effective policy) by "
+                f"`{module_path}`, but the program moves it between memories "
+                f"({format_bytes(sum(t.bytes for t in moved))} per call): a remat policy other "
+                "than the plan's applies to it. Use the regions `ox.scan`/`ox.checkpoint`.",
+            )
+
+
+def _check_devices(labelled: list[tuple[str, Any]], walker: _Walker) -> None:
+    offenders, majority = device_offenders(labelled)
+    if majority is None:  # no offenders
+        return
+    for path, leaf in offenders:
+        devices = ", ".join(str(d) for d in leaf.sharding.device_set)
+        walker.violate(
+            "argument on another device",
+            path,
+            f"Argument `{path}` is on {devices}, while the other arguments are on "
+            f"{', '.join(map(str, majority))}: jit would copy it on every call (or refuse "
+            "to run). Move it once, outside the step: `jax.device_put(x, device)`.",
+        )

@@ -1,0 +1,345 @@
+"""Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply` and
+`ox.apply_updates`.
+
+The state of any optax `GradientTransformation` lives in pinned host memory between
+steps (its scalars, such as Adam's step count, stay on the device), sharded like the
+parameter each leaf mirrors. `stream=None` fetches the whole state for the update;
+`stream="leaf"` and `stream="layer"` fetch one parameter (one layer slice) at a time
+(see `stream`).
+"""
+
+from typing import Any, cast
+
+import jax
+import optax
+
+from .._declare.placement import UPDATES, check_memory
+from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .._trace.state import active_plan
+from .host import HostUpdate, apply_on_host
+from .state import (
+    NAME,
+    call_update,
+    check_matches,
+    check_ours,
+    declared_update,
+    host_mask,
+    init_in_place,
+    on_device,
+    restore_memory,
+    shapes,
+    state_type,
+    trainable,
+)
+from .stream import StreamedUpdate, stream_init
+
+STREAMS = (None, "leaf", "layer")
+
+_A_FACTORY = (
+    "{where} is {value!r}, a function that builds a transformation, not a transformation. "
+    "Call it with its hyperparameters: `ox.offload_optimizer(optax.adam(1e-3))`, not "
+    "`ox.offload_optimizer(optax.adam)`."
+)
+
+_NOT_A_TRANSFORMATION = (
+    "{where} is {value!r} (a {kind}); expected an `optax.GradientTransformation`, such as "
+    "`optax.adam(1e-3)` or `optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))`."
+)
+
+
+def _as_transformation(value: Any) -> Any:
+    make = getattr(value, "gradient_transformation", None)
+    if not isinstance(value, optax.GradientTransformation) and callable(make):
+        return make()
+    return value
+
+
+def _check_transformation(value: object, *, where: str) -> None:
+    if isinstance(value, optax.GradientTransformation):
+        return
+    template = _A_FACTORY if callable(value) else _NOT_A_TRANSFORMATION
+    raise TypeError(template.format(where=where, value=value, kind=type(value).__name__))
+
+
+def _check_update_on(update_on, stream, memory) -> None:
+    if update_on not in UPDATES:
+        raise ValueError(
+            f"{NAME}(update_on=...) is {update_on!r}; expected 'device' (fetch the state, "
+            "update on the accelerator) or 'host' (update in host memory on the host: "
+            "only gradients and updates cross the link)."
+        )
+    if update_on != "host":
+        return
+    if stream is not None:
+        raise ValueError(
+            f"{NAME}(update_on='host', stream={stream!r}): a stream fetches the state to "
+            "the device piece by piece; an update on the host never fetches it. Drop "
+            "`stream` (or use `update_on='device'` to stream)."
+        )
+    if memory != "pinned_host":
+        raise ValueError(
+            f"{NAME}(update_on='host', memory={memory!r}): the host update keeps the "
+            "state in host memory. Drop `memory` (it is 'pinned_host'), or use "
+            "`update_on='device'` for a state on the device."
+        )
+
+
+def _check_options(tx, stream, global_transform, layers, memory, check) -> None:
+    """Every option, when the optimizer is built (not at `init`, not while tracing)."""
+    _check_transformation(tx, where=f"{NAME}'s `tx`")
+    if global_transform is not None:
+        _check_transformation(global_transform, where=f"{NAME}(global_transform=...)")
+    if stream not in STREAMS:
+        raise ValueError(
+            f"{NAME}(stream=...) is {stream!r}; expected one of None (fetch the whole state "
+            "for the update), 'leaf' (one parameter's state at a time) or 'layer' (one "
+            "layer slice of each stacked parameter at a time, with `layers=`)."
+        )
+    if stream == "layer":
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(
+                f"{NAME}(stream='layer') needs `layers`, the number of layers of the "
+                f"stacked modules applied with `ox.scan` (a positive int); got {layers!r}. "
+                "Pass e.g. `layers=32`, or `stream='leaf'` to update stacked leaves whole."
+            )
+    elif layers is not None:
+        raise ValueError(
+            f"{NAME}(layers={layers!r}) is only used with `stream='layer'` (got "
+            f"`stream={stream!r}`). Pass `stream='layer'` to stream stacked leaves one layer "
+            "at a time, or drop `layers`."
+        )
+    check_memory(memory, where=f"{NAME}(memory=...)")
+    if not isinstance(check, bool):
+        raise TypeError(f"{NAME}(check=...) is {check!r}; expected True or False.")
+
+
+def update_location(state: Any) -> str:
+    """Where the update of `state` runs: as the strategy in force says, else as the state
+    was declared (`update_on=`)."""
+    declared = declared_update(state)
+    plan = active_plan()
+    return declared if plan is None else plan.strategy.update_of(declared)
+
+
+def _whole_state(
+    inner: optax.GradientTransformation, memory: str, update_on: str
+) -> tuple[Any, Any]:
+    """`init` and `update` of `stream=None`: the whole state is fetched for the update,
+    or the update runs on the host (`host`)."""
+    wrapper = state_type(memory, update_on)
+
+    def init_fn(params):
+        def init_on_device(params):
+            return wrapper(inner.init(on_device(params)))
+
+        return init_in_place(init_on_device, trainable(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        check_ours(state, streamed=False, name=NAME)
+        updates = trainable(updates)
+        check_matches(type(state)(jax.eval_shape(inner.init, shapes(updates))), state, name=NAME)
+        mask = host_mask(state.inner)
+        # Fetched in this order (state, gradients, parameters): the audit lists transfers
+        # in program order, and the README's table shows it.
+        inner_state = on_device(state.inner)
+        updates = on_device(updates)
+        if params is not None:
+            params = on_device(trainable(params))
+        new_updates, new_inner = call_update(inner, updates, inner_state, params, extra_args)
+        return new_updates, type(state)(restore_memory(mask, new_inner))
+
+    return init_fn, HostUpdate(inner, update_fn, update_location)
+
+
+# Hints are loose on purpose: the options are validated below with sentences that say
+# what to write, and a runtime type checker (beartype in the tests) would answer first.
+def offload_optimizer(
+    tx: Any,
+    *,
+    update_on: str = "device",
+    stream: str | None = None,
+    global_transform: Any = None,
+    layers: int | None = None,
+    memory: str = "pinned_host",
+    check: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an optax transformation so that its state lives in `memory` between steps.
+
+    **Arguments:**
+
+    - `tx`: an `optax.GradientTransformation` (`optax.adam(1e-3)`, `chain`, `adamw`,
+        `inject_hyperparams`, `multi_transform`, ...) or an `optax.MultiSteps`. With a
+        stream it must treat each parameter on its own (`adam`, `adamw`, `sgd`, `lion`,
+        ...), which `init` checks.
+    - `update_on`: where the update runs.
+        - `"device"` (default): the state is fetched to the accelerator (see `stream`).
+        - `"host"`: the whole update (`global_transform` included) is one host
+          computation of the step: the state, all of it, stays in host memory and is
+          never fetched; the gradients are sent to the host once, the updates come back
+          once for parameters on the device (for host-resident parameters
+          `ox.apply_updates` adds them on the host: only the gradients move). Targets
+          that cannot run it (XLA:TPU) are refused when the step is compiled. A
+          strategy's `update=` overrides it.
+    - `stream`: how a device update fetches the state.
+        - `None` (default): the whole state at once, for `optax.chain(global_transform,
+          tx)`; XLA schedules the copies (the whole state is on the device together).
+        - `"leaf"`: one parameter's state at a time, each in its own `jax.lax.cond`
+          gated on the previous one's update.
+        - `"layer"`: like `"leaf"`, and every parameter whose leading dimension is
+          `layers` (the stacked modules applied with `ox.scan`) one layer slice at a time,
+          in a `jax.lax.fori_loop`. `tx` must be elementwise (`init` checks).
+    - `global_transform`: a transformation applied first, to all gradients at once on the
+        device (`optax.clip_by_global_norm(1.0)`); its state is fetched whole.
+    - `layers`: with `stream="layer"` (and only then), the number of layers.
+    - `memory`: where the state is declared to live: `"pinned_host"` (default) or
+        `"device"`. Strategies passed to `ox.filter_jit`/`ox.place` override it.
+    - `check`: with a stream, trace `tx` at `init` and raise a `ValueError` if it couples
+        parameters (or, with `"layer"`, is not elementwise).
+
+    Only floating-point array leaves are optimized: integer, boolean and non-array leaves
+    get no state and a `None` update (`ox.apply_updates` leaves them unchanged).
+
+    **Returns:** an `optax.GradientTransformationExtraArgs` whose `init(params)` writes the
+    state into its memory, sharded like the parameters (scalars on the device), and whose
+    `update(grads, state, params)` computes on the device, fetching host-typed gradients,
+    state and parameters explicitly and sending the new state back. Its updates equal
+    those of `optax.chain(global_transform, tx)` (streams: to about 1 ulp per step). Use
+    `ox.update_and_apply(opt, grads, state, params)` to apply the updates inside the
+    streamed loop, so host-resident parameters are never fetched whole either.
+    """
+    # `optax.MultiSteps` (and the like) is a wrapper object whose transformation is built
+    # by `.gradient_transformation()`; users pass the object itself.
+    tx = _as_transformation(tx)
+    global_transform = _as_transformation(global_transform)
+    _check_options(tx, stream, global_transform, layers, memory, check)
+    _check_update_on(update_on, stream, memory)
+    if stream is None:
+        inner = tx if global_transform is None else optax.chain(global_transform, tx)
+        init_fn, update_fn = _whole_state(inner, memory, update_on)
+    else:
+        init_fn = stream_init(tx, global_transform, layers, memory, check)
+        update_fn = StreamedUpdate(tx, global_transform, layers)
+    return optax.GradientTransformationExtraArgs(init_fn, cast(Any, update_fn))
+
+
+def update_and_apply(
+    opt: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any]:
+    """`opt.update` then `ox.apply_updates`: returns `(new_params, new_opt_state)`.
+
+    Works for any optax transformation. When `opt` is a streamed `ox.offload_optimizer`
+    (`stream="leaf"` or `"layer"`), the updates are applied inside its per-leaf
+    (per-layer) loop, so host-resident parameters are fetched one leaf (layer) at a time
+    and never whole. When the update runs on the host (`update_on="host"`, or a plan with
+    `update="host"`), the update and the sum for host-resident parameters are one host
+    computation, so their updates never pass through device memory. Wrapped in another
+    transformation (`optax.chain(opt, ...)`), it falls back to `update` then
+    `ox.apply_updates`, with the same result.
+    """
+    _check_transformation(opt, where="ox.update_and_apply's `opt`")
+    if isinstance(opt.update, StreamedUpdate):
+        return opt.update.update_and_apply(grads, opt_state, params, **extra_args)
+    if isinstance(opt.update, HostUpdate) and opt.update.on_host(opt_state):
+        _check_updates(params, grads)
+        new_host, others, opt_state = opt.update.update_and_apply(
+            grads, opt_state, params, **extra_args
+        )
+        return _apply(params, others, new_host), opt_state
+    if isinstance(opt, optax.GradientTransformationExtraArgs):
+        updates, opt_state = opt.update(grads, opt_state, params, **extra_args)
+    elif extra_args:
+        raise TypeError(
+            f"ox.update_and_apply: {sorted(extra_args)} were given, but `opt` is an "
+            "`optax.GradientTransformation` without extra arguments. Drop them, or wrap "
+            "`opt` with `optax.with_extra_args_support(opt)`."
+        )
+    else:
+        updates, opt_state = opt.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
+
+
+def apply_updates(model: Any, updates: Any) -> Any:
+    """`eqx.apply_updates` that keeps host-resident parameters on the host.
+
+    A host-typed parameter with a host-typed update (`update_on="host"`) is updated by a
+    host computation (one for all such leaves): nothing moves. A host-typed parameter
+    with a device update is fetched explicitly, summed on the device and sent back. A
+    parameter on the device gets its update fetched if that is host-typed. `None`
+    updates leave the leaf unchanged, as in `eqx.apply_updates`.
+
+    **Returns:** the updated model, each parameter in the memory it had. **Raises:** an
+    error naming the leaf paths when `updates` were made for another model.
+    """
+    _check_updates(model, updates)
+    return _apply(model, updates, apply_on_host(model, updates))
+
+
+def _apply(model: Any, updates: Any, on_host: Any) -> Any:
+    """`model + updates` leaf by leaf, where `on_host` (the model's structure) holds the
+    new value of each leaf already summed on the host, None elsewhere."""
+
+    def apply(path, update, param, new):
+        if new is not None:
+            return new
+        if update is None:
+            return param
+        with labelled("update", "updates" + jax.tree_util.keystr(path)):
+            fetched = to_device(update)
+        if is_host_typed(param):
+            return to_host((to_device(param) + fetched).astype(param.dtype))
+        return (param + fetched).astype(param.dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        apply, updates, model, on_host, is_leaf=lambda x: x is None
+    )
+
+
+_OTHER_UPDATES = (
+    "ox.apply_updates(model, updates): {problem}, so the updates were made for another "
+    "model. Pass the updates that `opt.update(grads, opt_state, model)` returned for "
+    "gradients of this model (`eqx.filter_grad(loss)(model, ...)`)."
+)
+
+
+def _check_updates(model: Any, updates: Any) -> None:
+    """The updates have the model's structure and each array leaf's shape."""
+    is_none = lambda x: x is None  # noqa: E731
+    model_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_none)[0]
+    update_leaves, update_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_none)
+    if update_def != jax.tree_util.tree_structure(model, is_leaf=is_none):
+        where = _first_difference(updates, model, ())
+        raise ValueError(
+            _OTHER_UPDATES.format(
+                problem=f"`updates{where}` and `model{where}` differ in structure "
+                "(other fields, static values or containers)"
+            )
+        )
+    for (path, update), (_, param) in zip(update_leaves, model_leaves):
+        if update is None or not hasattr(update, "shape") or not hasattr(param, "shape"):
+            continue
+        if tuple(update.shape) != tuple(param.shape):
+            key = jax.tree_util.keystr(path)
+            raise ValueError(
+                _OTHER_UPDATES.format(
+                    problem=f"`updates{key}` has shape {tuple(update.shape)} but "
+                    f"`model{key}` has shape {tuple(param.shape)}"
+                )
+            )
+
+
+def _first_difference(a: Any, b: Any, path: tuple) -> str:
+    """The key path of the first node at which two pytrees differ in structure."""
+    is_none = lambda x: x is None  # noqa: E731
+    one_level = lambda x: jax.tree_util.tree_flatten_with_path(  # noqa: E731
+        x, is_leaf=lambda y: y is not x or y is None
+    )
+    a_children, a_def = one_level(a)
+    b_children, b_def = one_level(b)
+    if a_def == b_def:
+        for (key, x), (_, y) in zip(a_children, b_children):
+            same = jax.tree_util.tree_structure(x, is_leaf=is_none) == (
+                jax.tree_util.tree_structure(y, is_leaf=is_none)
+            )
+            if not same and x is not a:
+                return _first_difference(x, y, path + tuple(key))
+    return jax.tree_util.keystr(path)

@@ -1,0 +1,378 @@
+"""`ox.offload_optimizer(stream="leaf" | "layer")`: the state fetched one parameter (or
+one layer of a stacked parameter) at a time.
+
+Fetching the whole state (`stream=None`) leaves the schedule to XLA, which starts every
+host-to-device copy as early as its operands allow (right after the gradients' global
+norm), so the whole state (Adam: twice the parameters) is on the device at once, and the
+new state's device buffers stay live until their copies back at the end of the step.
+Device temp *rises* (h100, the tutorial's DIM 7168: 1.53 -> 2.68 GiB).
+
+`stream="leaf"` runs each parameter's update inside its own `jax.lax.cond`. The branch
+fetches that parameter's state, updates it and sends the new state back to host memory;
+the predicate of the next parameter's `cond` is an always-true value passed through an
+`optimization_barrier` together with this parameter's update, so XLA can neither fold the
+`cond` away nor start the next fetch early. A conditional is one instruction for the
+scheduler: copies inside a branch cannot be hoisted out of it, and the branch's device
+buffers die when it returns. At most one parameter's state (and its new state) is on the
+device at a time. Chaining `optimization_barrier`s around plain `device_put`s did not
+work: XLA splits the barriers per operand and still hoists every copy to the front.
+
+Transformations that couple leaves (`optax.clip_by_global_norm`) go in `global_transform`,
+applied once to all gradients on the device before the per-leaf part; `tx` is checked, by
+tracing, to compute each parameter's update and state from that parameter alone.
+
+Stacked parameters (the leaves of a module applied with `ox.scan`, with a leading layer
+axis) are one leaf for all layers, so one `cond` would still fetch every layer's state.
+With `stream="layer"` and `layers=L`, each leaf whose leading dimension is `L` is updated
+by a `jax.lax.fori_loop` over that axis: an iteration dynamic-slices layer `i` of the
+state (and of the gradient and the parameter, host-typed when the parameter lives on the
+host), fetches the slices, runs `tx` on them and writes the new state slices back with
+`dynamic_update_slice` into the host arrays carried by the loop (XLA updates them in
+place). Only one layer's state, gradient and parameter are on the device at a time. This
+is valid for transformations elementwise within a leaf (`adam`, `adamw`, `sgd`), which
+`init` checks; scalars of the state (Adam's count) are shared by all slices. The streamed
+`ox.update_and_apply` applies the updates in the same loop, so the parameters are never
+fetched whole either.
+"""
+
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .._trace.state import active_plan
+from .checks import check_elementwise, check_per_leaf, is_stacked
+from .host import HostUpdate
+from .state import (
+    NAME,
+    StreamState,
+    call_update,
+    check_matches,
+    check_ours,
+    host_mask,
+    init_in_place,
+    on_device,
+    restore_memory,
+    shapes,
+    state_type,
+    trainable,
+)
+
+
+def _gate(token: Any) -> jax.Array:
+    """`True`, available only once `token` is computed, and opaque to XLA's simplifier
+    (a literal predicate would let it inline the `cond` and hoist the copies again)."""
+    pred, _ = jax.lax.optimization_barrier((jnp.asarray(True), token))
+    return pred
+
+
+def _device_leaves(leaves: list) -> list:
+    return [x for x in leaves if eqx.is_array(x) and not is_host_typed(x)]
+
+
+def _slice_shape(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+
+
+def _index(x: Any, i: Any) -> Any:
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _write(buffer: Any, value: Any, i: Any) -> Any:
+    """Write `value` (on the device) as slice `i` of `buffer`, sending it to host memory
+    first when `buffer` is host-typed (XLA then updates the host buffer in place)."""
+    value = to_host(value) if is_host_typed(buffer) else to_device(value)
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
+
+
+def _zeros_like(shape: Any) -> Any:
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+
+
+class StreamedUpdate:
+    """The `update` of a streamed `ox.offload_optimizer`. `ox.update_and_apply` finds
+    `update_and_apply` on it, so the streamed apply survives as long as the optimizer is
+    ours (under `optax.chain(...)` it falls back to `update` then `ox.apply_updates`)."""
+
+    def __init__(
+        self,
+        tx: optax.GradientTransformation,
+        global_transform: optax.GradientTransformation | None,
+        layers: int | None,
+    ):
+        self.tx = tx
+        self.global_transform = global_transform
+        self.global_tx = optax.identity() if global_transform is None else global_transform
+        self.layers = layers
+
+    def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return self._step(updates, state, params, extra_args, apply=False)
+
+    def update_and_apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
+        """`update` then `ox.apply_updates`, in one per-leaf (per-layer) loop: returns
+        `(new_params, new_state)`, where `new_params` is `params` with every floating-point
+        array leaf updated and every other leaf unchanged."""
+        new_arrays, new_state = self._step(grads, state, params, extra_args, apply=True)
+        return eqx.combine(new_arrays, params), new_state
+
+    # -- one leaf ------------------------------------------------------------------------
+
+    def _whole(self, grad, leaf_state, param, extra_args, apply):
+        """One leaf's update (and, with `apply`, its new value), fetched whole."""
+        mask = host_mask(leaf_state)
+        device_param = to_device(param)
+        update, new_state = call_update(
+            self.tx, to_device(grad), on_device(leaf_state), device_param, extra_args
+        )
+        new_state = restore_memory(mask, new_state)
+        if apply:
+            new_param = (device_param + update).astype(param.dtype)
+            return (to_host(new_param) if is_host_typed(param) else new_param), new_state
+        return update, new_state
+
+    def _streamed(self, grad, leaf_state, param, extra_args, apply):
+        """One stacked leaf's update, one layer slice per iteration of a `fori_loop`.
+
+        The loop carries the host (or device) arrays that receive the results: the new
+        state leaves, and the new parameter (`apply`) or the updates (written over the
+        gradient, whose slice `i` is read before it is overwritten). Scalar state leaves
+        (Adam's count) are the same for every slice: each iteration recomputes them from
+        the old ones, and the last iteration's are the new state's.
+        """
+        tx = self.tx
+        state_leaves, state_def = jax.tree_util.tree_flatten(leaf_state)
+        sliced = [np.ndim(x) > 0 for x in state_leaves]
+        update_shape = jax.eval_shape(
+            lambda g, s, p: call_update(tx, g, s, p, extra_args)[0],
+            _slice_shape(grad),
+            jax.tree_util.tree_map(lambda x: _slice_shape(x) if np.ndim(x) else x, leaf_state),
+            None if param is None else _slice_shape(param),
+        )
+        if apply:
+            out = param
+        elif update_shape.dtype == grad.dtype:
+            out = grad
+        else:  # the updates have another dtype than the gradients: a buffer of their own
+            out = jnp.zeros(grad.shape, update_shape.dtype)
+            out = to_host(out) if is_host_typed(grad) else out
+
+        # Scalar leaves (the old ones, on the device) are shared by every slice.
+        scalars_in = [x if s else to_device(x) for x, s in zip(state_leaves, sliced)]
+        reuse = out is grad  # the updates overwrite the gradient: read it from the carry
+
+        def body(i, carry):
+            out, buffers, _ = carry
+            g = to_device(_index(out if reuse else grad, i))
+            p = None if param is None else to_device(_index(out if apply else param, i))
+            old = iter(buffers)
+            state = [
+                to_device(_index(next(old), i)) if s else x for s, x in zip(sliced, scalars_in)
+            ]
+            update, new_state = cast(
+                tuple[Any, Any],
+                call_update(tx, g, jax.tree_util.tree_unflatten(state_def, state), p, extra_args),
+            )
+            new_leaves = jax.tree_util.tree_leaves(new_state)
+            if apply:
+                assert p is not None
+                result = (p + update).astype(p.dtype)
+            else:
+                result = update.astype(out.dtype)
+            out = _write(out, result, i)
+            old = iter(buffers)
+            buffers = [_write(next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
+            scalars = [x for x, s in zip(new_leaves, sliced) if not s]
+            return out, buffers, scalars
+
+        buffers = [x for x, s in zip(state_leaves, sliced) if s]
+        scalars = [x for x, s in zip(scalars_in, sliced) if not s]
+        out, buffers, scalars = jax.lax.fori_loop(
+            0, np.shape(grad)[0], body, (out, buffers, scalars)
+        )
+        new_buffers, new_scalars = iter(buffers), iter(scalars)
+        new_leaves = [
+            next(new_buffers) if s else restore_memory(is_host_typed(x), next(new_scalars))
+            for x, s in zip(state_leaves, sliced)
+        ]
+        return out, jax.tree_util.tree_unflatten(state_def, new_leaves)
+
+    # -- all leaves ------------------------------------------------------------------------
+
+    def _expected_state(self, grads: Any) -> Any:
+        return jax.eval_shape(
+            lambda g: StreamState(
+                global_state=self.global_tx.init(g),
+                leaves=jax.tree_util.tree_map(self.tx.init, g),
+            ),
+            shapes(grads),
+        )
+
+    def _whole_leaves(self) -> optax.GradientTransformationExtraArgs:
+        """This optimizer on whole leaves: the global part, then `tx` on each leaf at
+        once. `tx` is elementwise within a leaf (checked by `init`), so this equals the
+        per-layer loop; it is what the host update computes (nothing to fetch there)."""
+
+        def init(params: Any) -> Any:
+            return StreamState(
+                global_state=self.global_tx.init(params),
+                leaves=jax.tree_util.tree_map(self.tx.init, params),
+            )
+
+        def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+            grads, global_state = call_update(
+                self.global_tx, updates, state.global_state, params, extra_args
+            )
+            leaves, treedef = jax.tree_util.tree_flatten(grads)
+            states = treedef.flatten_up_to(state.leaves)
+            given = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
+            done = [
+                call_update(self.tx, g, s, p, extra_args) for g, s, p in zip(leaves, states, given)
+            ]
+            updates = jax.tree_util.tree_unflatten(treedef, [u for u, _ in done])
+            new_leaves = jax.tree_util.tree_unflatten(treedef, [s for _, s in done])
+            return updates, StreamState(global_state=global_state, leaves=new_leaves)
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    def _on_host(self, grads, state, params, extra_args, apply):
+        """Under a strategy with `update="host"`: the whole update in one host
+        computation (`host.HostUpdate`), as `update_on="host"` does; with
+        `apply`, the sum for host-resident parameters in the same computation and the
+        updates of the others fetched and added on the device."""
+        host = HostUpdate(self._whole_leaves(), None, lambda _: "host", streamed=True)
+        if not apply:
+            return host(grads, state, params, **extra_args)
+        new_host, others, new_state = host.update_and_apply(grads, state, params, **extra_args)
+
+        def new_value(path, param, new, update):
+            if new is not None or update is None:
+                return param if new is None else new
+            with labelled("update", "updates" + jax.tree_util.keystr(path)):
+                return (param + to_device(update)).astype(param.dtype)
+
+        arrays = jax.tree_util.tree_map_with_path(
+            new_value, trainable(params), new_host, others, is_leaf=lambda x: x is None
+        )
+        return arrays, new_state
+
+    def _step(self, updates, state, params, extra_args, apply):
+        check_ours(state, streamed=True, name=NAME)
+        plan = active_plan()
+        if plan is not None and plan.strategy.update == "host":
+            return self._on_host(updates, state, params, extra_args, apply)
+        if apply and params is None:
+            raise ValueError(
+                f"{NAME}: `ox.update_and_apply` needs the parameters: call it as "
+                "`ox.update_and_apply(opt, grads, opt_state, params)`."
+            )
+        grads = trainable(updates)
+        check_matches(type(state)(self._expected_state(grads)), state, name=NAME)
+        inner = state.inner
+        if params is not None:
+            params = trainable(params)
+
+        # 1. The global part, on all gradients at once (fetched to the device). Without a
+        # global transformation the gradients stay where they are, fetched leaf by leaf.
+        global_state = inner.global_state
+        if self.global_transform is not None:
+            grads = on_device(grads)
+            mask = host_mask(global_state)
+            device_params = None if params is None else on_device(params)
+            grads, global_state = call_update(
+                self.global_tx, grads, on_device(global_state), device_params, extra_args
+            )
+            global_state = restore_memory(mask, global_state)
+
+        # 2. The per-leaf part, one `cond` (or loop) per leaf, each gated on the previous.
+        grad_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        leaf_states = treedef.flatten_up_to(inner.leaves)
+        if params is None:
+            param_leaves = [None] * len(grad_leaves)
+        elif jax.tree_util.tree_structure(params) != treedef:
+            raise ValueError(
+                f"{NAME}: the parameters passed to `update` do not have the structure of "
+                f"the gradients ({jax.tree_util.tree_structure(params)} against {treedef}). "
+                "Pass the parameters that were differentiated."
+            )
+        else:
+            param_leaves = jax.tree_util.tree_leaves(params)
+        token: Any = _device_leaves(grad_leaves)
+        outs, new_states = [], []
+        for grad, leaf_state, param in zip(grad_leaves, leaf_states, param_leaves):
+            out, new_state, token = self._one_leaf(
+                grad, leaf_state, param, extra_args, apply, token
+            )
+            outs.append(out)
+            new_states.append(new_state)
+        new_inner = StreamState(
+            global_state=global_state, leaves=jax.tree_util.tree_unflatten(treedef, new_states)
+        )
+        return jax.tree_util.tree_unflatten(treedef, outs), type(state)(new_inner)
+
+    def _one_leaf(self, grad, leaf_state, param, extra_args, apply, token):
+        streamed = is_stacked(grad, self.layers)
+        compute = self._streamed if streamed else self._whole
+
+        def run(grad, leaf_state, param):
+            out, new_state = compute(grad, leaf_state, param, extra_args, apply)
+            # A device value computed after the leaf's update, for the next gate (the
+            # results may all be host-typed); opaque, so not folded to a constant.
+            done, _ = jax.lax.optimization_barrier((jnp.asarray(True), (out, new_state)))
+            return out, new_state, done
+
+        if streamed:
+            # The loop is one instruction to the scheduler already: the copies in its
+            # body depend on the iteration, so none can be hoisted out. Outside a `cond`
+            # the loop updates the (donated) host buffers in place; inside one, XLA
+            # copies each carried host array first (3 x the leaf in host temp for Adam
+            # with `update_and_apply`).
+            return run(grad, leaf_state, param)
+
+        out_shape = jax.eval_shape(run, grad, leaf_state, param)
+
+        def skip(grad, leaf_state, param):
+            # Never taken (the predicate is always true); same types as `run`.
+            out = param if apply else _zeros_like(out_shape[0])
+            return out, leaf_state, jnp.asarray(False)
+
+        return jax.lax.cond(_gate(token), run, skip, grad, leaf_state, param)
+
+
+def stream_init(
+    tx: optax.GradientTransformation,
+    global_transform: optax.GradientTransformation | None,
+    layers: int | None,
+    memory: str,
+    check: bool,
+) -> Any:
+    """The `init` of a streamed `ox.offload_optimizer`."""
+    global_tx = optax.identity() if global_transform is None else global_transform
+    wrapper = state_type(memory)
+
+    def init_fn(params):
+        params = trainable(params)
+        if check:
+            check_per_leaf(tx, params)
+            checked = set()
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+                key = (np.shape(leaf), jnp.dtype(leaf.dtype))
+                if is_stacked(leaf, layers) and key not in checked:
+                    check_elementwise(tx, leaf, "params" + jax.tree_util.keystr(path))
+                    checked.add(key)
+
+        def init_on_device(params):
+            params = on_device(params)
+            return wrapper(
+                StreamState(
+                    global_state=global_tx.init(params),
+                    leaves=jax.tree_util.tree_map(tx.init, params),
+                )
+            )
+
+        return init_in_place(init_on_device, params)
+
+    return init_fn

@@ -1,0 +1,6 @@
+"""JAX's placement machinery, wrapped: host or device memory kinds and the types
+that go with them (`memory_space`), specs and moves over a mesh (`mesh`), computation
+placed on the host (`host_compute`).
+
+May import `_base` and `_declare`.
+"""

@@ -1,0 +1,215 @@
+"""Computation placed on the host: `on_host(fn, *args)` and which targets can run it.
+
+`on_host` compiles `fn` as one host computation of the step (JAX's `compute_on` primitive
+with `compute_type="device_host"`): XLA:GPU runs it on the host CPU, on the host-memory
+buffers, inside the step's program; on a CPU backend it runs where everything runs.
+
+Three things differ from calling `jax.experimental.compute_on.compute_on2` directly:
+
+- `fn` is traced with *device-typed* operands. Inside a host computation every value is in
+  host memory, so the distinction means nothing there, but a trace with host-typed
+  operands mixes them with the device-typed constants that library code creates
+  (`jnp.imag` of a real array is a device-typed zero: optax's global norm fails with
+  "memory_space of all inputs passed to `add` must be the same").
+- Device-typed operands are sent to host memory explicitly (a `device_put` the audit
+  lists) before the call, every result is host-typed, and nothing comes back implicitly.
+- Arrays of two or more dimensions are passed flattened to one dimension (and reshaped
+  inside the host computation), unless `flatten=False`: device arrays before they are
+  sent, host arrays (the gradient of a host-resident parameter) in host memory.
+  XLA:GPU rejects a host call whose operand has another layout than the call's
+  parameter ("The async-start expects the async shape ... to match"), and a gradient of
+  `x @ w` often has the transposed layout;
+  a one-dimensional array has only one. On a mesh, flattening would reshard a leaf whose
+  later dimensions are sharded, so the caller passes `flatten=False` there.
+
+Equations traced here carry `compute_type="device_host"` in their context, which is how
+the audit and the work counter recognise host work.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend as jex
+import numpy as np
+from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
+from jax.core import ShapedArray, Tracer, eval_jaxpr
+from jax.experimental.compute_on import compute_on
+
+from .memory_space import is_host_typed, labelled, to_host
+
+try:  # the primitive behind `compute_on2`, bound with an explicit jaxpr
+    from jax._src.compute_on import compute_on_p as _COMPUTE_ON
+except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
+    _COMPUTE_ON = None
+
+HOST = "device_host"
+NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
+
+# The host computations of the optimizer update on the host (`update_on="host"`), and
+# the platforms on which they are refused, and why. Measured with the deviceless compilers
+# on the update and the sum in one host computation (`tests/test_optimizer_host.py`'s
+# scanned model, the refusal bypassed); an earlier probe saw XLA:TPU give the host
+# call's operands a linear layout. Building state
+# on the host (`_jit.compile`, `_optimizer.state`) is not refused: a stacked model built for
+# tpu-v5p that way needs 512 B of device memory (128 MiB on the host).
+HOST_UPDATE = ("optimizer update", "apply updates", "optimizer update and apply")
+HOST_UPDATE_PROBLEMS: dict[str, str] = {
+    "tpu": (
+        "XLA:TPU gains nothing from it: under 'hybrid', on a model of 8 scanned layers "
+        "of 1024x1024 (deviceless tpu-v5p), the host update needs 66.84 MiB of device "
+        "memory against 24.19 MiB for the device update with `stream='layer'` (h100: "
+        "12.00 against 29.01 MiB)"
+    ),
+}
+
+
+def host_update_problem(platform: str) -> str | None:
+    """Why the optimizer update on the host is refused on `platform` (`"cuda"`, `"tpu"`,
+    `"cpu"`), if it is."""
+    return HOST_UPDATE_PROBLEMS.get(platform)
+
+
+def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
+    """Raise a `ValueError` if the traced step updates its optimizer state on the host
+    and `platform` refuses that: decided when the step is compiled, never a silent
+    fallback to the device."""
+    problem = host_update_problem(platform)
+    if problem is None or not set(host_computations(jaxpr)) & set(HOST_UPDATE):
+        return
+    raise ValueError(
+        f"The step computes on the host (`ox.offload_optimizer(update_on='host')`, or a "
+        f"strategy with update='host'), which {where} does not support: {problem}. For "
+        "this target update on the device: `ox.offload_optimizer(tx)` (with "
+        "`stream='leaf'` or `'layer'` to fetch the state piece by piece), or a strategy "
+        "with update='device'."
+    )
+
+
+def is_host_computation(eqn: Any) -> bool:
+    """Whether a jaxpr equation is a host computation (or an equation inside one)."""
+    if eqn.primitive.name == "compute_on" and eqn.params.get("compute_type") == HOST:
+        return True
+    return getattr(getattr(eqn, "ctx", None), "compute_type", None) == HOST
+
+
+def host_computations(jaxpr: Any) -> list[str]:
+    """The name of every host computation of a (closed) jaxpr, at any depth
+    (`"optimizer update"`; "host computation" where none was given)."""
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "compute_on" and eqn.params.get("compute_type") == HOST:
+            stack = str(eqn.source_info.name_stack)
+            start = stack.rfind(NAME_SCOPE + "[")
+            found.append(stack[start + len(NAME_SCOPE) + 1 :].split("]")[0] if start >= 0 else "")
+            continue
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            found.extend(host_computations(sub))
+    return found
+
+
+def _separate_consts(closed: Any) -> tuple[Any, list]:
+    return pe.separate_consts(closed)
+
+
+def _sharded_in_type(x: Any) -> bool:
+    """Whether `x`'s type names mesh axes (Explicit sharding): a reshape of it must say
+    how the result is sharded, so it is not flattened."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    return any(entry is not None for entry in spec)
+
+
+def _device_aval(x: Any) -> Any:
+    return ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def on_host(
+    fn: Callable[..., Any],
+    *args: Any,
+    flatten: bool = True,
+    name: str = "host computation",
+    labels: tuple[tuple[str, str], ...] = (),
+) -> Any:
+    """`fn(*args)` computed on the host; every result is host-typed.
+
+    `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
+    is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
+
+    Array leaves of `args` are the computation's operands (device-typed ones are sent to
+    host memory first, explicitly, flattened to one dimension when `flatten`); other
+    leaves are constants of the computation.
+    """
+    if _COMPUTE_ON is None:  # pragma: no cover
+        raise NotImplementedError(
+            f"offload_eqx's host computation needs `jax._src.compute_on.compute_on_p`, "
+            f"which jax {jax.__version__} does not have; use jax 0.10.2 or update the "
+            "optimizer to `update_on='device'`."
+        )
+    dynamic, static = eqx.partition(args, eqx.is_array)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    shapes = [np.shape(x) for _, x in with_path]
+    sent = []
+    for path, x in with_path:
+        flat = flatten and np.ndim(x) >= 2 and not _sharded_in_type(x)
+        if not is_host_typed(x):
+            index = getattr(path[0], "idx", 0)
+            kind, root = labels[index] if index < len(labels) else ("input", f"args[{index}]")
+            with labelled(kind, root + jax.tree_util.keystr(path[1:])):
+                x = to_host(x.reshape(-1) if flat else x)
+        elif flat:
+            x = x.reshape(-1)  # in host memory: a host-typed gradient keeps its layout
+        sent.append(x)
+
+    def flat_fn(*flat):
+        restored = [x.reshape(shape) for x, shape in zip(flat, shapes)]
+        return fn(*eqx.combine(jax.tree_util.tree_unflatten(treedef, restored), static))
+
+    with compute_on(HOST):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[_device_aval(x) for x in sent]
+        )
+    jaxpr, consts = closed, []
+    if any(isinstance(c, Tracer) for c in closed.consts):
+        # `fn` closes over values of the enclosing trace: they become operands, sent to
+        # host memory like the others (as `compute_on2` does).
+        jaxpr, consts = _separate_consts(closed)
+        consts = [to_host(c) for c in consts]
+    with jax.named_scope(f"{NAME_SCOPE}[{name}]"):
+        outs = _COMPUTE_ON.bind(
+            *consts,
+            *sent,
+            jaxpr=jaxpr,
+            compute_type=HOST,
+            out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
+            compiler_options_json=None,
+        )
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64)) * x.dtype.itemsize
+
+
+def on_host_if_cheap(
+    fn: Callable[..., Any],
+    operands: list,
+    limit: int,
+    name: str = "host computation",
+    flatten: bool = True,
+) -> list | None:
+    """`fn(*operands)` (a list of arrays) computed on the host, when the operands it
+    actually reads that are in device memory add up to at most `limit` bytes (a PRNG
+    key: a model built from it is computed where it will live); None otherwise, for the
+    caller to compute on the device. Operands `fn` does not read are not sent."""
+    closed = jax.make_jaxpr(fn)(*[_device_aval(x) for x in operands])
+    jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    read = [x for x, u in zip(operands, used) if u]
+    if sum(_nbytes(x) for x in read if not is_host_typed(x)) > limit:
+        return None
+    consts = closed.consts
+
+    def run(*kept: Any) -> list:
+        return eval_jaxpr(jaxpr, consts, *kept)
+
+    return on_host(run, *read, name=name, flatten=flatten)

@@ -1,0 +1,300 @@
+"""Annotating modules you cannot edit (the `eqx.nn` layers) from outside.
+
+`ox.annotate(model, where, memory=...)` works like `eqx.tree_at`: `where` selects
+modules or fields, and the result is a copy of the model in which the selected modules
+are instances of a subclass whose fields carry the placement metadata. The subclass keeps
+the original `__call__`, so the model computes exactly as before and
+`isinstance(layer, eqx.nn.Linear)` still holds.
+"""
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec
+
+from .._declare.activations import Activations, check_policy
+from .._declare.placement import METADATA_KEY, Memory, Placement, check_memory
+from .._plan.walk import ANNOTATION_ATTRIBUTE, format_keys, holds_an_array
+from .._sharding.memory_space import is_host_typed
+from .regions import checkpoint
+from .state import current, inside_region
+
+_SUBCLASSES: dict[tuple, type] = {}
+# Set on the classes whose `__call__` brings its own region.
+REGION_ATTRIBUTE = "__offload_eqx_region__"
+
+
+class _Marker:
+    """Wraps a node selected by `where` while the tree is rebuilt."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Call(eqx.Module):
+    """`method(module, ...)`: the original `__call__` of an annotated module, as a module
+    whose arrays a region sees (and fetches)."""
+
+    module: Any
+    method: Any = eqx.field(static=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.method(self.module, *args, **kwargs)
+
+
+def with_region(method: Any) -> Any:
+    """A method of an annotated module (its `__call__`, or another public method such as
+    `generate`): the original one, inside a region (so the module's host-resident
+    leaves are fetched there, and its activations follow the step's strategy), unless
+    a region encloses it. Outside `ox.filter_jit`, a module whose arrays are all on the
+    device runs as written, exactly as the unannotated one."""
+
+    @functools.wraps(method)
+    def in_region(self, *args, **kwargs):
+        if inside_region() or (current() is None and not _holds_host_arrays(self)):
+            return method(self, *args, **kwargs)
+        return checkpoint(Call(self, method), *args, **kwargs)
+
+    return in_region
+
+
+# Methods that answer a question about the layer rather than compute with its arrays
+# (`eqx.nn.Sequential` asks each layer `is_stateful()` while it runs).
+_PROTOCOL = frozenset(vars(eqx.nn.StatefulLayer)) - {"__call__"}
+
+
+def region_methods(cls: type, inherited: bool = True) -> dict[str, Any]:
+    """The methods of `cls` that bring a region: `__call__` and every public method
+    (`generate`, `sample`, `encode`, ...), each of which may compute with the module's
+    host-resident leaves. With `inherited`, those its base classes define too (an
+    annotated `eqx.nn` layer, or a model with a `generate` method)."""
+    found: dict[str, Any] = {}
+    seen: set[str] = set()  # the nearest class's attribute of a name is the one in use
+    classes = [c for c in cls.__mro__ if issubclass(c, eqx.Module) and c is not eqx.Module]
+    for klass in classes if inherited else [cls]:
+        for name, value in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            public = name == "__call__" or not name.startswith("_")
+            if public and name not in _PROTOCOL and inspect.isfunction(value):
+                found[name] = value
+    return found
+
+
+def _holds_host_arrays(module: Any) -> bool:
+    return any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
+
+
+def _annotated_class(
+    cls: type,
+    fields: frozenset[tuple[str, Placement]],
+    activations: Activations | None,
+    region: bool = False,
+) -> type:
+    key = (cls, fields, activations, region)
+    try:
+        return _SUBCLASSES[key]
+    except KeyError:
+        pass
+    originals = {f.name: f for f in dataclasses.fields(cls)}
+    namespace: dict[str, Any] = {"__annotations__": {}, "__module__": cls.__module__}
+    for name, placement in fields:
+        original = originals[name]
+        metadata = dict(original.metadata)
+        metadata[METADATA_KEY] = placement
+        namespace["__annotations__"][name] = original.type
+        namespace[name] = dataclasses.field(
+            default=original.default,
+            default_factory=original.default_factory,
+            init=original.init,
+            repr=original.repr,
+            hash=original.hash,
+            compare=original.compare,
+            metadata=metadata,
+            kw_only=original.kw_only,
+        )
+    if activations is not None:
+        inherited = getattr(cls, ANNOTATION_ATTRIBUTE, None)
+        merged = dict(inherited.items()) if inherited is not None else {}
+        merged.update(activations.items())
+        namespace[ANNOTATION_ATTRIBUTE] = Activations(**merged)
+    if region and fields:
+        namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
+        namespace[REGION_ATTRIBUTE] = True
+    subclass = type(cls.__name__, (cls,), namespace)
+    subclass.__qualname__ = cls.__qualname__
+    _SUBCLASSES[key] = subclass
+    return subclass
+
+
+def copy_as(module: eqx.Module, cls: type) -> eqx.Module:
+    new = object.__new__(cls)
+    for f in dataclasses.fields(module):
+        try:
+            object.__setattr__(new, f.name, getattr(module, f.name))
+        except AttributeError:
+            pass
+    return new
+
+
+def _array_fields(module: eqx.Module) -> list[str]:
+    """The fields of a selected module that hold arrays: a memory applies to those. The
+    others (an `eqx.nn.MLP`'s activation, a `BatchNorm`'s axis name, a `Shared`'s `where`
+    function, a `Linear`'s missing bias) are left alone."""
+    names = []
+    for f in dataclasses.fields(module):
+        if f.metadata.get("static", False):
+            continue
+        value = getattr(module, f.name, None)
+        if any(holds_an_array(x) for x in jax.tree_util.tree_leaves(value)):
+            names.append(f.name)
+    return names
+
+
+def _elements(value: Any) -> Any:
+    """A selected list, tuple or dict of modules stands for its elements: each module in
+    it is selected on its own (and brings its own region), so that `lambda m: m.blocks`
+    means what `lambda m: m.blocks[:]` means, not one region fetching every block at
+    once. An `eqx.nn.Shared` stands for the modules it ties (its `__call__` only returns
+    them, to be called outside it). Anything else is returned as it is."""
+    if isinstance(value, eqx.nn.Shared):
+        inner = _elements(value.pytree)
+        return value if inner is value.pytree else eqx.tree_at(lambda s: s.pytree, value, inner)
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif type(value) in (list, tuple):
+        items = list(value)
+    else:
+        return value
+    if not any(isinstance(item, eqx.Module) for item in items):
+        return value
+    mark = lambda item: _Marker(item) if isinstance(item, eqx.Module) else item  # noqa: E731
+    if isinstance(value, dict):
+        return {key: mark(item) for key, item in value.items()}
+    return type(value)(mark(item) for item in items)
+
+
+def annotate(
+    tree: Any,
+    where: Callable[[Any], Any],
+    *,
+    memory: str | None = None,
+    spec: PartitionSpec | None = None,
+    activations: Activations | dict[str, str] | None = None,
+    region: bool = True,
+) -> Any:
+    """Declare placements and activation policies on modules you cannot edit.
+
+    **Arguments:**
+
+    - `tree`: the model (any pytree containing `eqx.Module`s).
+    - `where`: like `eqx.tree_at`'s, selects one node or a sequence of nodes: a module
+        (every array field of it gets the placement) or an array field of a module.
+    - `memory`: `"device"` or `"pinned_host"`; marks the selected leaves as managed.
+    - `spec`: an optional `PartitionSpec` for the selected leaves.
+    - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
+        declared on the selected modules.
+    - `region`: with `memory=`, each selected module (or the module owning a selected
+        field) runs its `__call__` in a remat region when no region encloses the call,
+        so its host-resident leaves are fetched there, one module at a time, under every
+        strategy; its cost is that of `ox.checkpoint` (the call is recomputed in the
+        backward pass unless the strategy saves everything). `region=False` opts out:
+        call the module through `ox.scan`/`ox.checkpoint` yourself.
+
+    **Returns:** a copy of `tree`; the original is not changed.
+
+    ```python
+    mlp = ox.annotate(mlp, lambda m: m.layers, memory="pinned_host")
+    mlp = ox.annotate(mlp, lambda m: m, activations={"h": "offload"})
+    ```
+    """
+    if memory is None and activations is None:
+        raise ValueError(
+            "ox.annotate(...) was given neither `memory=` nor `activations=`: there is "
+            "nothing to annotate. Pass memory='pinned_host' (or 'device'), and/or "
+            "activations={'name': 'offload'}."
+        )
+    if not callable(where):
+        raise TypeError(
+            f"ox.annotate(tree, where={where!r}): `where` is a function selecting nodes of "
+            "the tree, as in `eqx.tree_at`, e.g. `lambda m: m.layers[0]`."
+        )
+    placement = None
+    if memory is not None:
+        check_memory(memory, where="ox.annotate(memory=...)")
+        placement = Placement(memory=cast(Memory, memory), spec=spec)
+    if isinstance(activations, dict):
+        for name, policy in activations.items():
+            check_policy(name, policy, where="ox.annotate(activations=...)")
+        activations = Activations(**activations)
+
+    marked = eqx.tree_at(where, tree, replace_fn=_Marker)
+
+    def rebuild(node: Any, path: str) -> Any:
+        if isinstance(node, _Marker) and _elements(node.value) is not node.value:
+            return rebuild(_elements(node.value), path)
+        if isinstance(node, _Marker):
+            inner = rebuild(node.value, path)
+            if not isinstance(inner, eqx.Module):
+                raise ValueError(
+                    f"ox.annotate: `where` selected `{path}`, a "
+                    f"{type(inner).__name__} that is not a field of a module. Select a "
+                    "module (every array field of it is annotated) or a whole field of a "
+                    "module, e.g. `lambda m: m.layers[0]` or `lambda m: m.layers[0].weight`."
+                )
+            fields = (
+                frozenset((name, placement) for name in _array_fields(inner))
+                if placement
+                else frozenset()
+            )
+            if not fields and activations is None:
+                return inner  # no arrays to place (an `eqx.nn.Lambda` in a list of layers)
+            return copy_as(inner, _annotated_class(type(inner), fields, activations, region))
+        if isinstance(node, eqx.Module):
+            overrides = []
+            values = {}
+            for f in dataclasses.fields(node):
+                try:
+                    value = getattr(node, f.name)
+                except AttributeError:
+                    continue
+                child_path = f"{path}.{f.name}"
+                if isinstance(value, _Marker) and _elements(value.value) is not value.value:
+                    value = _elements(value.value)  # a list of modules: its elements
+                elif isinstance(value, _Marker) and not isinstance(value.value, eqx.Module):
+                    if activations is not None and placement is None:
+                        raise ValueError(
+                            f"ox.annotate: `where` selected the field `{child_path}`, but "
+                            "activations are declared on modules. Select the module "
+                            f"`{path}` instead."
+                        )
+                    overrides.append((f.name, placement))
+                    value = value.value
+                values[f.name] = rebuild(value, child_path)
+            cls = type(node)
+            if overrides:
+                cls = _annotated_class(cls, frozenset(overrides), None, region)
+            new = object.__new__(cls)
+            for name, value in values.items():
+                object.__setattr__(new, name, value)
+            return new
+        if eqx.is_array(node) or node is None:
+            return node
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        if len(children) == 1 and children[0][1] is node:
+            return node
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, child: rebuild(child, path + format_keys(keys)),
+            node,
+            is_leaf=lambda x: x is not node,
+        )
+
+    return rebuild(marked, "tree")
