@@ -172,8 +172,12 @@ def test_the_developer_notes_place_every_module():
     """The layering notes left the package docstring for CONTRIBUTING.md, which names
     every private module."""
     notes = (REPOSITORY / "CONTRIBUTING.md").read_text(encoding="utf-8")
-    modules = sorted(p.stem for p in (REPOSITORY / "offload_eqx").glob("_*.py"))
-    missing = [m for m in modules if m != "__init__" and f"`{m}`" not in notes]
+    package = REPOSITORY / "offload_eqx"
+    folders = sorted(p.parent.name for p in package.glob("_*/__init__.py"))
+    modules = sorted(p.stem for p in package.glob("**/*.py") if p.stem != "__init__")
+    assert folders, "the layers are folders of the package"
+    missing = [f"{f}/" for f in folders if f"`{f}/`" not in notes]
+    missing += [m for m in modules if f"`{m}`" not in notes]
     assert missing == []
 
 
