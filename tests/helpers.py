@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
@@ -223,3 +224,24 @@ def make_step(opt, strategy, **jit_kwargs):
 def to_numpy(tree):
     """Host numpy copies of every array leaf (for comparisons)."""
     return jax.tree_util.tree_map(np.asarray, eqx.filter(tree, eqx.is_array))
+
+
+def rotated(
+    cases: Any, strategies: Any, kept: tuple[str, ...], case_id: Callable[[Any], str] = str
+) -> list:
+    """`(case, strategy)` parameters for every case under every strategy. Without `--full`
+    each case runs under the `kept` strategies and one of the others in turn (the rest are
+    marked `full`), so every strategy still meets cases in the default run."""
+    others = [s for s in strategies if s not in kept]
+    return [
+        pytest.param(
+            case,
+            strategy,
+            marks=()
+            if strategy in kept or (others and strategy == others[i % len(others)])
+            else (pytest.mark.full,),
+            id=f"{case_id(case)}-{strategy}",
+        )
+        for i, case in enumerate(cases)
+        for strategy in strategies
+    ]

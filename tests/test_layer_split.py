@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import loss_fn, make_optimizer, make_step, scanned_model
+from helpers import loss_fn, make_optimizer, make_step, rotated, scanned_model
 
 import offload_eqx as ox
 
@@ -38,11 +38,17 @@ def _with(preset: str, **changes) -> ox.Strategy:
     return ox.Strategy(f"{preset}+", **(fields | changes))
 
 
-@pytest.mark.parametrize("preset", list(ox.STRATEGIES))
+SPLITS = [("save", 2, "offload"), ("offload", 4, "remat"), ("remat", 1, "save")]
+
+
+# Each split under "annotated", "hybrid" and one other strategy in turn (all with `--full`).
 @pytest.mark.parametrize(
-    "split", [("save", 2, "offload"), ("offload", 4, "remat"), ("remat", 1, "save")]
+    "split, preset",
+    rotated(
+        SPLITS, list(ox.STRATEGIES), ("annotated", "hybrid"), lambda s: f"split{SPLITS.index(s)}"
+    ),
 )
-def test_a_name_split_by_layers_equals_the_unsplit_program_bitwise(preset, split):
+def test_a_name_split_by_layers_equals_the_unsplit_program_bitwise(split, preset):
     """The scan runs as segments, each with its own remat policy: the arithmetic is the
     same, so the results are the same bits."""
     first, _, rest = split

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from beartype import beartype
-from helpers import loss_fn, scanned_model, to_numpy
+from helpers import loss_fn, rotated, scanned_model, to_numpy
 from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
@@ -85,27 +85,11 @@ def _assert_equal(ours: eqx.Module, reference: eqx.Module) -> None:
         )
 
 
-def _chain_strategies() -> list:
-    """Every chain under every strategy; without `--full`, each chain under the two that
-    keep its state on the host ("offload_optimizer", "hybrid") and one of the others in
-    turn."""
-    kept = ("offload_optimizer", "hybrid")
-    others = [s for s in STRATEGIES if s not in kept]
-    return [
-        pytest.param(
-            name,
-            strategy,
-            marks=()
-            if strategy in kept or strategy == others[i % len(others)]
-            else (pytest.mark.full,),
-            id=f"{name}-{strategy}",
-        )
-        for i, name in enumerate(CHAINS)
-        for strategy in STRATEGIES
-    ]
-
-
-@pytest.mark.parametrize("name, strategy", _chain_strategies())
+# Each chain under the two strategies that keep its state on the host and one of the others
+# in turn (all with `--full`).
+@pytest.mark.parametrize(
+    "name, strategy", rotated(CHAINS, STRATEGIES, ("offload_optimizer", "hybrid"))
+)
 def test_matches_plain_optax_under_every_strategy(name, strategy):
     reference = _reference(CHAINS[name]())
     opt = ox.offload_optimizer(CHAINS[name](), update_on="host")

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from beartype import beartype
+from helpers import rotated
 from jaxtyping import PRNGKeyArray, Shaped, jaxtyped
 from real_model_families import (
     FAMILIES,
@@ -256,22 +257,9 @@ DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves", *FAMILIES, *TH
 NAMES = {"encoder": "block_output", "vit": "mlp_hidden", **FAMILY_NAMES}
 
 
-def _family_strategies() -> list[Any]:
-    """Every family under every strategy; by default (without `--full`) each family runs
-    under "annotated" and "hybrid" (its own declarations, and everything it has moved to
-    the host) and one of the other five in turn, so each strategy still meets several
-    families in every run."""
-    others = [s for s in STRATEGIES if s not in ("annotated", "hybrid")]
-    params = []
-    for i, name in enumerate(ALL_CASES):
-        for strategy in STRATEGIES:
-            default = strategy in ("annotated", "hybrid") or strategy == others[i % len(others)]
-            marks = () if default else (pytest.mark.full,)
-            params.append(pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}"))
-    return params
-
-
-@pytest.mark.parametrize("name, strategy", _family_strategies())
+# Each family under its own declarations ("annotated"), everything it has moved to the host
+# ("hybrid"), and one of the other five in turn (all seven with `--full`).
+@pytest.mark.parametrize("name, strategy", rotated(ALL_CASES, STRATEGIES, ("annotated", "hybrid")))
 def test_same_as_plain_equinox(name: str, strategy: str):
     case = ALL_CASES[name]
     opt = ox.offload_optimizer(_transformation(name, "own"))

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 import third_party_families
+from helpers import rotated
 from jaxtyping import Array, Float, Int
 from test_real_models import (
     BATCH_KEY,
@@ -138,7 +139,18 @@ def _gan_run(strategy: str | None) -> list[tuple]:
     return rounds
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+_GAN_STRATEGIES = ("annotated", "hybrid", "offload_activations")
+
+
+# Under "annotated", "hybrid" and "offload_activations" (the error for nothing named);
+# every strategy with `--full`.
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(s, marks=() if s in _GAN_STRATEGIES else (pytest.mark.full,))
+        for s in STRATEGIES
+    ],
+)
 def test_gan(strategy: str):
     """Two `ox.filter_jit` steps over the same two models, each differentiating one
     model through the other (whose host-resident layer its region fetches, with no
@@ -163,8 +175,9 @@ def test_gan(strategy: str):
 KINDS: list[WhileKind] = ["lax", "bounded", "checkpointed"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("kind", KINDS)
+# Each kind of loop under "annotated", "hybrid" and one other strategy in turn (all with
+# `--full`).
+@pytest.mark.parametrize("kind, strategy", rotated(KINDS, STRATEGIES, ("annotated", "hybrid")))
 def test_sampler_output(kind: WhileKind, strategy: str):
     """Sampling: Euler steps of the host-resident score model inside
     `eqx.internal.while_loop(kind=...)`, vmapped over a batch of noise, equal plain
