@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base.options import checks_options
+from .._base.progress import reporting
 from .._jit.jit import FilterJit, filter_jit
 from .._targets.targets import get_target
 from .price import find_space, price
@@ -52,7 +53,7 @@ def fit(
     device_budget: int | None = None,
     host_budget: int | None = None,
     max_compiles: int = 12,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], Any] | bool | None = None,
     **kwargs: Any,
 ) -> FitResult:
     """The plan with the least predicted step time whose compiled memory fits.
@@ -69,7 +70,9 @@ def fit(
         `speeds.host_memory`).
     - `max_compiles`: at most this many compiles (each candidate that is priced exactly
         is compiled once).
-    - `progress`: called with one line after every trace and compile (e.g. `print`).
+    - `progress`: called with one line after every trace and compile (e.g. `print`);
+        by default a status line on stderr when it is a terminal (none under pytest or
+        with `CI` set); `True` always shows it, `False` never.
 
     Searched: each declared activation name's policy (save, offload, remat) over a base
     that saves or recomputes everything else, and where managed parameters and optimizer
@@ -99,24 +102,23 @@ def fit(
         raise ValueError(_NO_BUDGET.format(target=resolved.name))
     wrapper = step if isinstance(step, FilterJit) else filter_jit(step)
     started = time.perf_counter()
-    search = Search(
-        wrapper, args, kwargs, resolved, budget, 0, max_compiles, progress or (lambda line: None)
-    )
-    search.host_limit = host_budget if host_budget is not None else search.speeds.host_memory
-    # 1. The candidates, priced by composition from a few traces (`price`).
-    space = find_space(search)
-    loads, not_searched = price(search, space)
-    # 2-3. Compiled in order of predicted time; memory bounds prune (`search`).
-    compile_in_order(search, loads)
-    # 4. Between the best plan that fits and faster ones that do not (`refine`).
-    if search.best is not None:
-        refine(search, loads, search.best[2].seconds)
-    # 5. The answer, or what was shown (`result`): with nothing fitting, the most frugal
-    #    plan is compiled if it was not, since it may fit and shows the least memory.
-    frugal = search.rows.get(space.frugal())
-    measured = frugal is not None and frugal.device_bytes is not None
-    if search.best is None and not measured and search.compiles < max_compiles:
-        search.compile(space.frugal())
-    if search.best is None:
-        raise explain(search, space)
-    return result_of(search, [*space.notes, *not_searched], started)
+    with reporting("ox.fit", progress) as report:
+        search = Search(wrapper, args, kwargs, resolved, budget, 0, max_compiles, report)
+        search.host_limit = host_budget if host_budget is not None else search.speeds.host_memory
+        # 1. The candidates, priced by composition from a few traces (`price`).
+        space = find_space(search)
+        loads, not_searched = price(search, space)
+        # 2-3. Compiled in order of predicted time; memory bounds prune (`search`).
+        compile_in_order(search, loads)
+        # 4. Between the best plan that fits and faster ones that do not (`refine`).
+        if search.best is not None:
+            refine(search, loads, search.best[2].seconds)
+        # 5. The answer, or what was shown (`result`): with nothing fitting, the most frugal
+        #    plan is compiled if it was not, since it may fit and shows the least memory.
+        frugal = search.rows.get(space.frugal())
+        measured = frugal is not None and frugal.device_bytes is not None
+        if search.best is None and not measured and search.compiles < max_compiles:
+            search.compile(space.frugal())
+        if search.best is None:
+            raise explain(search, space)
+        return result_of(search, [*space.notes, *not_searched], started)

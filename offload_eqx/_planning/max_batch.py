@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from .._base.options import checks_options
+from .._base.progress import reporting
 from .._base.table import format_bytes
 from .._declare.strategy import Strategy
 from .._inspect.memory_report import MemoryReport, memory_report
@@ -203,7 +204,7 @@ def max_batch(
     strategy: "str | Strategy | Plan | None" = None,
     start: int | None = None,
     max_compiles: int | None = None,
-    progress: Callable[[str], Any] | None = None,
+    progress: Callable[[str], Any] | bool | None = None,
     probes: list | None = None,
 ) -> int:
     """The largest batch at which `step` fits one device of `target`, found by compiling.
@@ -226,7 +227,8 @@ def max_batch(
     - `max_compiles`: fail rather than compile more than this (default: no limit; the
         search needs about 2 log2 of the answer compiles at worst, usually 4 to 6).
     - `progress`: called with one line per compile (batch, device bytes, fits), e.g.
-        `progress=print`.
+        `progress=print`; by default a status line on stderr when it is a terminal (none
+        under pytest or with `CI` set); `True` always shows it, `False` never.
     - `probes`: a list to which one dict per compile is appended, in order: `batch`,
         `total` (device bytes, None when the compiler refused the program for lack of
         memory), `fits`, `seconds`, `report` (the `ox.MemoryReport`, or None).
@@ -260,7 +262,7 @@ def max_batch(
     log: list[dict[str, Any]] = []
     shapes: dict[int, Any] = {}  # each batch's arguments, as `_shapes` sees them
 
-    def measure(batch: int) -> int | None:
+    def measure(batch: int, say: Callable[[str], Any]) -> int | None:
         args = make_args(batch)
         if not isinstance(args, tuple):
             raise TypeError(_NOT_TUPLE.format(batch=batch, kind=_kind(args)))
@@ -289,25 +291,16 @@ def max_batch(
         log.append(entry)
         if probes is not None:
             probes.append(entry)
-        if progress is not None:
-            progress(_progress_line(entry, resolved.name, budget))
+        say(_progress_line(entry, resolved.name, budget))
         shapes[batch] = _shapes(args)
-        for earlier in log[:-1]:
-            # Memory may stay flat over many batches (a peak set by something else), so
-            # equal totals stop the search only when the arguments are the same too.
-            if earlier["total"] == total and _same(shapes[earlier["batch"]], shapes[batch]):
-                outcome = "an out-of-memory refusal"
-                if total is not None:
-                    outcome = f"the same {format_bytes(total)} ({total} bytes)"
-                raise ValueError(
-                    _IGNORES_BATCH.format(
-                        first=earlier["batch"], second=batch, name=name, outcome=outcome
-                    )
-                )
+        _check_batch_reaches_args(log, shapes, name)
         return total
 
     try:
-        low, high = _largest_fit(measure, budget, start or 1, max_compiles)
+        with reporting("ox.max_batch", progress) as say:
+            low, high = _largest_fit(
+                lambda batch: measure(batch, say), budget, start or 1, max_compiles
+            )
     except _CompileBudgetSpent:
         raise RuntimeError(
             _TOO_FEW_COMPILES.format(
@@ -386,6 +379,23 @@ def _name_of(fn: Any) -> str:
 
 def _kind(value: Any) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _check_batch_reaches_args(log: list[dict[str, Any]], shapes: dict[int, Any], name: str) -> None:
+    """Raise when the last batch compiled gave the same total as an earlier one for
+    arguments of the same shapes: `make_args` ignores the batch. Memory may stay flat
+    over many batches (a peak set by something else), so equal totals alone do not."""
+    batch, total = log[-1]["batch"], log[-1]["total"]
+    for earlier in log[:-1]:
+        if earlier["total"] == total and _same(shapes[earlier["batch"]], shapes[batch]):
+            outcome = "an out-of-memory refusal"
+            if total is not None:
+                outcome = f"the same {format_bytes(total)} ({total} bytes)"
+            raise ValueError(
+                _IGNORES_BATCH.format(
+                    first=earlier["batch"], second=batch, name=name, outcome=outcome
+                )
+            )
 
 
 def _progress_line(entry: dict[str, Any], target: str, budget: int) -> str:
