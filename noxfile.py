@@ -58,7 +58,9 @@ def multidevice(session: nox.Session) -> None:
 def deviceless(session: nox.Session) -> None:
     """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
     session.install("-e", ".[test,checkpoint,cuda,tpu]")
-    _pytest(session, *PARALLEL, "-m", "deviceless")
+    # By file, not test by test: the planner tests share module fixtures that each
+    # compile for minutes (`between` in test_fit.py), which two workers computed twice.
+    _pytest(session, "-n", "auto", "--dist", "loadscope", "-m", "deviceless")
 
 
 @nox.session(python=PYTHON)
