@@ -145,7 +145,17 @@ def _interrupt_next_call(step, *args):
     entry.jitted = interrupted
 
 
-def test_ctrl_c_after_the_inputs_were_donated_reaches_the_loop_before_the_next_donation():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler in place, as in a script (restored afterwards)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_after_the_inputs_were_donated_reaches_the_loop_before_the_next_donation(
+    python_sigint,
+):
     """Ctrl-C that lands after the step donated its inputs, before the loop rebinds its
     names, left the loop's names on deleted buffers (10 of 10 tries; plain
     `eqx.filter_jit` does the same). The step now returns its outputs, the loop's names
@@ -167,7 +177,7 @@ def test_ctrl_c_after_the_inputs_were_donated_reaches_the_loop_before_the_next_d
     step(model, opt_state, x, scale)  # training goes on
 
 
-def test_ctrl_c_held_by_a_step_arrives_after_a_grace_when_no_step_follows():
+def test_ctrl_c_held_by_a_step_arrives_after_a_grace_when_no_step_follows(python_sigint):
     """Where the loop does not call the step again, the held Ctrl-C still arrives (its
     names bound by then)."""
     opt, step = _train_step()
@@ -178,6 +188,32 @@ def test_ctrl_c_held_by_a_step_arrives_after_a_grace_when_no_step_follows():
     with pytest.raises(KeyboardInterrupt):
         for _ in range(200):  # the loop does something else: up to 10 s
             time.sleep(0.05)
+    assert not model.layers[0].weight.is_deleted()
+
+
+def test_ctrl_c_is_still_held_after_the_program_sets_its_own_handler(python_sigint):
+    """A handler the program installs after the first donating call (a library, a test
+    runner) used to replace ours for good, so Ctrl-C again lost the donated state; it
+    is now chained behind ours, and receives the signal when it is delivered."""
+    opt, step = _train_step()
+    x, scale = jnp.ones((3, 4)), jnp.float32(1.0)
+    model, opt_state, _, _ = step(_mlp(), opt.init(eqx.filter(_mlp(), eqx.is_array)), x, scale)
+    seen = []
+
+    def own(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt("the program's own handler")
+
+    signal.signal(signal.SIGINT, own)
+    _interrupt_next_call(step, model, opt_state, x, scale)
+    try:
+        model, opt_state, _, _ = step(model, opt_state, x, scale)  # returns: names rebound
+    except KeyboardInterrupt as error:
+        pytest.fail(f"Ctrl-C was not held during the donating call: {error}")
+    assert seen == []
+    with pytest.raises(KeyboardInterrupt, match="the program's own handler"):
+        step(model, opt_state, x, scale)
+    assert seen == [signal.SIGINT]
     assert not model.layers[0].weight.is_deleted()
 
 

@@ -5,10 +5,10 @@ names to the outputs (`model, opt_state, loss = step(model, opt_state, x)`), the
 are the only copy of the model and optimizer state. A `KeyboardInterrupt` raised in
 between (Python raises it after the blocking call returns, at its next check) loses
 them: the call's result is dropped as the exception unwinds, and the loop's names are
-left on deleted buffers. So the first donating call made from the main thread chains a
-SIGINT handler in front of the one in place. While a donating call runs it only notes
-the signal; the call returns its outputs normally, the loop rebinds its names, and the
-interrupt is delivered
+left on deleted buffers. So each donating call made from the main thread chains a
+SIGINT handler in front of the one in place (unless it is there already). While a
+donating call runs it only notes the signal; the call returns its outputs normally, the
+loop rebinds its names, and the interrupt is delivered
 
 - at the start of the next donating call, before anything is donated (a training loop
   calls its step again at once), or
@@ -17,8 +17,8 @@ interrupt is delivered
 
 Either way the loop's names hold the last step's outputs when `KeyboardInterrupt` is
 raised. At any other time the handler hands the signal straight to the previous one.
-Installing it costs a few microseconds once; each call after that sets a counter. A
-handler installed later by the program replaces it, and then nothing is held.
+Each donating call checks that the handler is still in front (a handler the program
+installs later is chained behind it again) and sets a counter: a few microseconds.
 """
 
 import _thread
@@ -45,7 +45,6 @@ class _Hold:
     pending: str | None = None  # the caller whose held Ctrl-C awaits delivery
     timer: threading.Timer | None = None
     previous: Any = None
-    installed = False
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -58,11 +57,12 @@ def _handler(signum: int, frame: Any) -> None:
         _Hold.previous(signum, frame)
 
 
-def _install() -> None:
-    _Hold.installed = True
-    previous = signal.getsignal(signal.SIGINT)
-    if callable(previous):  # SIG_IGN / SIG_DFL: nothing of Python's to defer
-        _Hold.previous = previous
+def _chain() -> None:
+    """Put `_handler` in front of the SIGINT handler in place, unless it is there already
+    or the one in place is not Python's (SIG_IGN / SIG_DFL: nothing to defer)."""
+    current = signal.getsignal(signal.SIGINT)
+    if current is not _handler and callable(current):
+        _Hold.previous = current
         signal.signal(signal.SIGINT, _handler)
 
 
@@ -99,8 +99,8 @@ def hold() -> bool:
     returns whether it does. Pair with `release`."""
     if threading.get_ident() != _MAIN:
         return False
-    if not _Hold.installed:
-        _install()
+    if not _Hold.running:
+        _chain()  # again each time: the program may have set a handler since
     _Hold.running += 1
     return True
 
