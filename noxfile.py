@@ -1,8 +1,8 @@
 """Sessions for offload_eqx. Every session installs what it needs into its own venv.
 
-nox -s tests            # CPU unit tests (one device)
+nox -s tests            # every single-process test: CPU unit tests and deviceless compiles
+nox -s deviceless       # only the memory reports from the real XLA:GPU / XLA:TPU compilers
 nox -s multidevice      # tests on 8 CPU devices and across 2 processes
-nox -s deviceless       # memory reports from the real XLA:GPU / XLA:TPU compilers
 nox -s lint typecheck   # ruff, pyright
 nox -s experiments      # the experiments on small defaults (--smoke)
 nox -s benchmarks       # dispatch overhead, audit time
@@ -15,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "typecheck", "tests", "deviceless", "multidevice", "docs"]
+nox.options.sessions = ["lint", "typecheck", "tests", "multidevice", "docs"]
 
 PYTHON = "3.11"
 # A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;
@@ -27,12 +27,12 @@ CPU_ENV = {
 }
 
 
-# pytest-xdist workers, one per core, each test sent to an idle one. On 2 cores this is
-# not faster (XLA compiles and runs on every core already: 25 min for the unit tests
-# against 22 serially in the CI run before), but one process running the whole suite
-# crashed in an XLA:CPU compile near its end (a segfault, 2026-11-26) where two workers,
-# each compiling half, passed. `-- -n 0` runs one process.
-PARALLEL = ("-n", "auto", "--dist", "worksteal")
+# pytest-xdist workers, one per core. One process running the whole suite crashed in an
+# XLA:CPU compile near its end (a segfault, 2026-11-26) where two workers, each compiling
+# half, passed. `loadgroup`: the tests of an `xdist_group` share a worker, so a module
+# fixture that compiles for minutes (test_fit.py) or a reference run cached per case
+# (helpers.rotated) is computed once, not once per worker. `-- -n 0` runs one process.
+PARALLEL = ("-n", "auto", "--dist", "loadgroup")
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
@@ -41,9 +41,11 @@ def _pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """CPU unit tests: `nox -s tests` (pass pytest options after `--`)."""
-    session.install("-e", ".[test,checkpoint]")
-    _pytest(session, *PARALLEL, "-m", "not deviceless and not multidevice")
+    """Every single-process test, CPU unit tests and deviceless compiles in one pool of
+    workers (each keeps the other busy): `nox -s tests` (pytest options after `--`; only
+    the CPU unit tests: `-- -m "not deviceless and not multidevice"`)."""
+    session.install("-e", ".[test,checkpoint,cuda,tpu]")
+    _pytest(session, *PARALLEL, "-m", "not multidevice")
 
 
 @nox.session(python=PYTHON)
@@ -58,9 +60,7 @@ def multidevice(session: nox.Session) -> None:
 def deviceless(session: nox.Session) -> None:
     """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
     session.install("-e", ".[test,checkpoint,cuda,tpu]")
-    # By file, not test by test: the planner tests share module fixtures that each
-    # compile for minutes (`between` in test_fit.py), which two workers computed twice.
-    _pytest(session, "-n", "auto", "--dist", "loadscope", "-m", "deviceless")
+    _pytest(session, *PARALLEL, "-m", "deviceless")
 
 
 @nox.session(python=PYTHON)

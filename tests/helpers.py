@@ -227,21 +227,29 @@ def to_numpy(tree):
 
 
 def rotated(
-    cases: Any, strategies: Any, kept: tuple[str, ...], case_id: Callable[[Any], str] = str
+    cases: Any,
+    strategies: Any,
+    kept: tuple[str, ...],
+    case_id: Callable[[Any], str] = str,
+    group: str | None = None,
 ) -> list:
     """`(case, strategy)` parameters for every case under every strategy. Without `--full`
     each case runs under the `kept` strategies and one of the others in turn (the rest are
-    marked `full`), so every strategy still meets cases in the default run."""
+    marked `full`), so every strategy still meets cases in the default run. With `group`,
+    a case's strategies share one pytest-xdist worker (`--dist loadgroup`), so what the
+    test caches per case (a reference run) is computed once."""
     others = [s for s in strategies if s not in kept]
-    return [
-        pytest.param(
-            case,
-            strategy,
-            marks=()
-            if strategy in kept or (others and strategy == others[i % len(others)])
-            else (pytest.mark.full,),
-            id=f"{case_id(case)}-{strategy}",
-        )
-        for i, case in enumerate(cases)
-        for strategy in strategies
-    ]
+    params = []
+    for i, case in enumerate(cases):
+        marks = [pytest.mark.xdist_group(f"{group}:{case_id(case)}")] if group else []
+        for strategy in strategies:
+            default = strategy in kept or (others and strategy == others[i % len(others)])
+            params.append(
+                pytest.param(
+                    case,
+                    strategy,
+                    marks=marks if default else [*marks, pytest.mark.full],
+                    id=f"{case_id(case)}-{strategy}",
+                )
+            )
+    return params

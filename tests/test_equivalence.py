@@ -60,7 +60,9 @@ def _leaves_with_paths(tree):
 
 
 # Each model under "annotated", "hybrid" and one other strategy in turn (all with `--full`).
-@pytest.mark.parametrize("name, strategy", rotated(MODELS, STRATEGIES, ("annotated", "hybrid")))
+@pytest.mark.parametrize(
+    "name, strategy", rotated(MODELS, STRATEGIES, ("annotated", "hybrid"), group="equivalence")
+)
 def test_same_loss_gradients_and_trajectory(name, strategy):
     """The contract: gradients and every step of a 3-step trajectory within 1e-6 of
     baseline's, every output back in its planned memory. Beyond it, on XLA:CPU, the same

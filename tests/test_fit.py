@@ -1,60 +1,31 @@
-"""`ox.fit` against the real XLA:GPU compiler for an H100 (deviceless).
-
-The model is the experiments' decoder (`experiments/_decoder.py`), small enough that a
-compile takes a second; the budgets are set from its own compiled memory, so that the
-baseline does not fit and something else must be chosen.
-"""
-
-import pathlib
-import sys
+"""`ox.fit` against the real XLA:GPU compiler for an H100 (deviceless), on the planner
+tests' decoder (`fit_problem`). The plans between all and nothing are in
+`test_fit_between.py`: its fixture compiles for minutes, so it runs beside these."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from fit_problem import decoder, fixed_estimates_of, make_problem, step_of
 
 import offload_eqx as ox
 
-pytestmark = pytest.mark.deviceless
-
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-try:
-    import _decoder as decoder  # pyright: ignore[reportMissingImports]
-finally:
-    sys.path.remove(str(EXPERIMENTS))
-
-CONFIG = decoder.Config("test", vocab=512, dim=128, ffn=384, layers=4, heads=4, seq=128)
-BATCH = 16
-FIXED = [
-    "baseline",
-    "remat",
-    "offload_activations",
-    "offload_params",
-    "offload_optimizer",
-    "hybrid",
-]
+# One worker runs the file: its module fixtures compile for minutes each.
+pytestmark = [pytest.mark.deviceless, pytest.mark.xdist_group("test_fit")]
 
 
 @pytest.fixture(scope="module")
 def problem():
-    model, opt_state = decoder.abstract_state(CONFIG)
-    tokens = jax.ShapeDtypeStruct((BATCH, CONFIG.seq + 1), jnp.int32)
-    optimizer = decoder.make_optimizer()
-    return optimizer, (model, opt_state, tokens)
+    return make_problem()
 
 
 def _step(problem, strategy):
-    return decoder.make_step(problem[0], strategy)
+    return step_of(problem, strategy)
 
 
 @pytest.fixture(scope="module")
 def fixed_estimates(problem):
-    """Every fixed strategy's estimate (compiled), by name."""
-    return {
-        name: ox.estimate(_step(problem, ox.STRATEGIES[name]), *problem[1], target="h100")
-        for name in FIXED
-    }
+    return fixed_estimates_of(problem)
 
 
 def test_ample_budget_recomputes_and_offloads_nothing(problem):
@@ -118,126 +89,6 @@ def test_host_budget_rules_out_host_placements(problem, fixed_estimates):
     assert result.estimate.host_bytes == 0
     assert (result.strategy.params, result.strategy.optimizer) == ("device", "device")
     assert "offload" not in dict(result.strategy.names).values()
-
-
-# -- plans between all and nothing (issue 19) ----------------------------------------------
-
-
-def _all_or_nothing(strategy) -> bool:
-    """No name split over layers, no placement leaf by leaf."""
-    whole = all(isinstance(policy, str) for _, policy in strategy.names)
-    return whole and isinstance(strategy.params, str) and isinstance(strategy.optimizer, str)
-
-
-def _placement(strategy) -> tuple:
-    return (strategy.activations, strategy.params, strategy.optimizer, strategy.update)
-
-
-def _keeps_at_least(plan, other) -> bool:
-    """`plan` saves every name `other` saves (both all-or-nothing)."""
-    saved = {n for n, policy in plan.names if policy == "save"}
-    return {n for n, policy in other.names if policy == "save"} <= saved
-
-
-def _estimate(problem, **strategy):
-    return ox.estimate(
-        _step(problem, ox.Strategy("s", activations="remat", **strategy)), *problem[1],
-        target="h100",
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def between(problem):
-    """A budget between the plan that recomputes everything with everything on the device
-    (which does not fit) and that plan with parameters and state on the host (which
-    does), and what `ox.fit` returns for it."""
-    on_device = _estimate(problem, params="device", optimizer="device")
-    on_host = _estimate(problem, params="pinned_host", optimizer="pinned_host")
-    assert on_device.device_bytes is not None and on_host.device_bytes is not None
-    assert on_host.device_bytes < on_device.device_bytes
-    budget = (on_device.device_bytes + on_host.device_bytes) // 2
-    result = ox.fit(_step(problem, "annotated"), *problem[1], target="h100", device_budget=budget)
-    return budget, result
-
-
-def test_budget_between_all_or_nothing_plans_is_filled_by_a_fractional_plan(
-    problem, fixed_estimates, between
-):
-    budget, result = between
-    assert not _all_or_nothing(result.strategy), result.strategy
-    assert result.estimate.device_bytes <= budget
-    # It is what `ox.filter_jit` compiles under that strategy.
-    again = ox.estimate(_step(problem, result.strategy), *problem[1], target="h100")
-    assert again.device_bytes == result.estimate.device_bytes
-    # Faster than every all-or-nothing plan that fits: those the search compiled, and the
-    # fixed strategies.
-    whole = [
-        c for c in result.candidates
-        if _all_or_nothing(c.strategy) and c.device_bytes is not None
-        and c.device_bytes <= budget
-    ]  # fmt: skip
-    assert whole
-    for candidate in whole:
-        assert result.estimate.seconds < candidate.seconds, candidate.label
-    for name, estimate in fixed_estimates.items():
-        if estimate.device_bytes <= budget:
-            assert result.estimate.seconds < estimate.seconds, name
-    assert result.compiles <= 12
-
-
-def test_a_plan_that_does_not_fit_prunes_its_family_after_one_compile(between):
-    budget, result = between
-    compiled = [c for c in result.candidates if c.device_bytes is not None]
-    pruned = [c for c in result.candidates if c.status.startswith("not compiled: keeps")]
-    assert len(pruned) > 5 * len(compiled)  # most of the search was learned, not compiled
-    for index, over in enumerate(compiled):
-        if over.device_bytes <= budget or not _all_or_nothing(over.strategy):
-            continue
-        for later in compiled[index + 1 :]:
-            if _all_or_nothing(later.strategy) and _placement(later.strategy) == _placement(
-                over.strategy
-            ):
-                assert not _keeps_at_least(later.strategy, over.strategy), (
-                    f"{later.label} was compiled although {over.label} did not fit"
-                )
-
-
-def test_compiles_running_out_says_so_and_names_what_is_untried(problem, between):
-    budget, _ = between
-    with pytest.raises(ValueError, match=r"no plan of this step fits") as error:
-        ox.fit(
-            _step(problem, "annotated"), *problem[1], target="h100", device_budget=budget,
-            max_compiles=2,
-        )  # fmt: skip
-    message = str(error.value)
-    assert "The 2 compiles allowed ran out with" in message
-    assert "plans untried that might fit" in message and "the fastest: remat[" in message
-    assert "Raise `max_compiles`" in message
-    assert "lower the batch" not in message  # nothing showed that no plan fits
-
-
-def test_compiler_crashes_are_listed_and_not_taken_for_no_fit(problem, between, monkeypatch):
-    import offload_eqx._fit.search as fit_search
-
-    real = fit_search.memory_report
-
-    def crashes_on_host_params(step, *args, **kwargs):
-        if step.strategy.params != "device":
-            raise RuntimeError("INTERNAL: Mosaic failed on a host layout")
-        return real(step, *args, **kwargs)
-
-    monkeypatch.setattr(fit_search, "memory_report", crashes_on_host_params)
-    budget, _ = between
-    with pytest.raises(ValueError, match=r"no plan of this step fits") as error:
-        ox.fit(_step(problem, "annotated"), *problem[1], target="h100", device_budget=budget)
-    message = str(error.value)
-    assert "compile failed: RuntimeError: INTERNAL: Mosaic failed" in message
-    assert "lower the batch" not in message
-    # Two crashes of one placement rule out the rest of it: the compiles go elsewhere.
-    crashes = message.count("compile failed: RuntimeError")
-    placements = {"params=pinned_host optimizer=pinned_host", "params=pinned_host optimizer=host"}
-    assert 2 <= crashes <= 2 * len(placements)
-    assert "were not compiled because plans of the same placement crashed" in message
 
 
 def test_an_unsearched_part_is_explained_by_a_whole_sentence():

@@ -259,7 +259,9 @@ NAMES = {"encoder": "block_output", "vit": "mlp_hidden", **FAMILY_NAMES}
 
 # Each family under its own declarations ("annotated"), everything it has moved to the host
 # ("hybrid"), and one of the other five in turn (all seven with `--full`).
-@pytest.mark.parametrize("name, strategy", rotated(ALL_CASES, STRATEGIES, ("annotated", "hybrid")))
+@pytest.mark.parametrize(
+    "name, strategy", rotated(ALL_CASES, STRATEGIES, ("annotated", "hybrid"), group="real_models")
+)
 def test_same_as_plain_equinox(name: str, strategy: str):
     case = ALL_CASES[name]
     opt = ox.offload_optimizer(_transformation(name, "own"))

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.deviceless
+pytestmark = [pytest.mark.deviceless, pytest.mark.xdist_group("test_transformer_deviceless")]
 
 EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "transformer_offload.py"
 GB = 1e9
