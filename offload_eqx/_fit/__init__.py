@@ -1,7 +1,8 @@
 """`ox.fit`: the fastest plan whose compiled memory fits. `fit` holds the algorithm,
-one step after another; the steps' parts each have a module: the candidates (`space`),
-the state of one search with its traces and compiles (`search`), the plans between all
-and nothing found by bisection (`refine`), and the answer (`result`).
+one step after another; each step has a module: what a candidate is (`space`), every
+candidate priced from a few traces (`price`), the search that compiles them in order of
+predicted time, with its bounds (`search`), the plans between all and nothing found by
+bisection (`refine`), and the answer or why there is none (`result`).
 
 May import every layer below it, up to `_planning`.
 """
