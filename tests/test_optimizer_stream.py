@@ -110,6 +110,17 @@ def test_coupling_transformation_is_rejected():
     check_per_leaf(optax.adamw(0.1), _model(4))  # elementwise: accepted
 
 
+def test_a_jitted_transformation_is_followed_into_its_call():
+    # Written under `jax.jit` (as some optax versions and user code are), the update traces
+    # as one call equation with every leaf in and out: its body says what depends on what.
+    adamw = optax.adamw(0.1)
+    jitted = optax.GradientTransformation(adamw.init, jax.jit(adamw.update))
+    check_per_leaf(jitted, _model(4))
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    with pytest.raises(ValueError, match="couples parameters"):
+        check_per_leaf(optax.GradientTransformation(clipped.init, jax.jit(clipped.update)), _model(4))
+
+
 def test_coupling_is_reported_at_init():
     opt = ox.offload_optimizer(
         optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), stream="leaf"

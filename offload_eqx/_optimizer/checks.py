@@ -18,15 +18,35 @@ import optax
 from .state import NAME, call_update
 
 
+def _call_body(eqn: Any) -> Any:
+    """The jaxpr an equation calls with its operands, one to one (`jit`, `closed_call`,
+    `remat`, `custom_jvp_call`, ...), or None: its outputs depend on its inputs as the
+    body's do, not all on all (a transformation written under `jax.jit` traces as one such
+    equation with every leaf in and out)."""
+    bodies = list(jax.extend.core.jaxprs_in_params(eqn.params))
+    if len(bodies) != 1:
+        return None
+    body = getattr(bodies[0], "jaxpr", bodies[0])
+    if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+        return body
+    return None
+
+
 def _leaf_dependencies(jaxpr: Any, labels: Sequence[frozenset]) -> list[frozenset]:
     """For each output of `jaxpr`, the union of the labels of the inputs it depends on
-    (conservative: every output of an equation depends on all its inputs)."""
+    (conservative: every output of an equation depends on all its inputs, except through
+    a call, whose body is followed)."""
     deps: dict[Any, frozenset] = dict(zip(jaxpr.invars, labels))
+
+    def of(var: Any) -> frozenset:
+        return frozenset() if isinstance(var, jax.extend.core.Literal) else deps.get(var, frozenset())
+
     for eqn in jaxpr.eqns:
-        found: frozenset = frozenset()
-        for var in eqn.invars:
-            if not isinstance(var, jax.extend.core.Literal):
-                found |= deps.get(var, frozenset())
+        body = _call_body(eqn)
+        if body is not None:
+            deps.update(zip(eqn.outvars, _leaf_dependencies(body, [of(v) for v in eqn.invars])))
+            continue
+        found = frozenset().union(*(of(v) for v in eqn.invars))
         for var in eqn.outvars:
             deps[var] = found
     return [

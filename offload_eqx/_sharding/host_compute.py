@@ -35,14 +35,16 @@ import jax.extend as jex
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
 from jax.core import ShapedArray, Tracer, eval_jaxpr
-from jax.experimental.compute_on import compute_on
 
 from .memory_space import is_host_typed, labelled, to_host
 
-try:  # the primitive behind `compute_on2`, bound with an explicit jaxpr
+try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
+    # jaxpr, and the context that marks equations traced inside it (`compute_on` itself is
+    # a context manager in jax 0.10 and a function transform from 0.11; this is not).
     from jax._src.compute_on import compute_on_p as _COMPUTE_ON
+    from jax._src.compute_on import extend_compute_type as _host_context
 except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
-    _COMPUTE_ON = None
+    _COMPUTE_ON = _host_context = None
 
 HOST = "device_host"
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
@@ -165,7 +167,7 @@ def on_host(
         restored = [x.reshape(shape) for x, shape in zip(flat, shapes)]
         return fn(*eqx.combine(jax.tree_util.tree_unflatten(treedef, restored), static))
 
-    with compute_on(HOST):
+    with _host_context(HOST):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[_device_aval(x) for x in sent]
         )
