@@ -35,6 +35,7 @@ from .._base.table import format_bytes, format_table
 from .._jit.jit import FilterJit
 from .._targets.deviceless import (
     FIELDS,
+    Program,
     compile_for,
     memory_fields,
     program_of_function,
@@ -202,24 +203,31 @@ def memory_report(
 
     **Returns:** an `ox.MemoryReport`; `print` it for a table.
     """
-    resolved = get_target(target)
     if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
             raise ValueError(_NOT_FROM_PLAN.format(name=_name_of(fn)))
         program = program_of_step(fn, args, kwargs)
     else:
         program = program_of_function(fn, args, kwargs, in_memory, out_memory, donate_argnums)
+    return compiled_report(program, get_target(target), name or _name_of(fn))[0]
+
+
+def compiled_report(program: Program, target: Target, name: str) -> tuple[MemoryReport, Any]:
+    """Compile `program` for `target`: its memory report, and the compiled program
+    (`jax.stages.Compiled`, whose `as_text()` `ox.estimate` prices)."""
     log: list[str] = []
-    device, host = memory_fields(compile_for(program, resolved, log).memory_analysis())
-    return MemoryReport(
-        name=name or _name_of(fn),
-        target=resolved.name,
+    compiled = compile_for(program, target, log)
+    device, host = memory_fields(compiled.memory_analysis())
+    report = MemoryReport(
+        name=name,
+        target=target.name,
         device=device,
         host=host,
         mesh=None if program.mesh is None else dict(program.mesh.shape),
-        capacity=resolved.capacity,
+        capacity=target.capacity,
         compiler_log=tuple(log),
     )
+    return report, compiled
 
 
 @dataclasses.dataclass(frozen=True)

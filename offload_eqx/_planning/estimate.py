@@ -40,13 +40,16 @@ import numpy as np
 from .._base.options import checks_options
 from .._base.table import format_bytes, format_table
 from .._inspect.audit import audit_traced
-from .._inspect.memory_report import memory_report
+from .._inspect.memory_report import compiled_report
 from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit, filter_jit
 from .._sharding.host_compute import check_host_compute
 from .._targets.calibrate import cpu_speeds
 from .._targets.targets import Speeds, Target, get_target
+from .._targets.deviceless import program_of_step
 from .flops import PhaseWork, count_work
+from .schedule import RESOURCES, Simulation, simulate
+from .timeline import write_timeline
 
 PHASES = ("forward", "backward", "update")
 
@@ -259,6 +262,29 @@ class StepEstimate:
     capacity: int | None = None
     # (phase, what the counts leave out): while loops are counted once
     notes: tuple[tuple[str, str], ...] = ()
+    # The jaxpr count's prediction; `seconds` is the compiled program's where simulated.
+    traced_seconds: float | None = None
+    simulation: Simulation | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def model(self) -> str:
+        """`"compiled"`: `seconds` simulates the compiled program's schedule;
+        `"traced"`: it is the jaxpr count's (`compile=False`)."""
+        return "traced" if self.simulation is None else "compiled"
+
+    def timeline(self, path: str) -> str:
+        """Write the simulated step as Chrome trace-event JSON (open it in Perfetto,
+        `ui.perfetto.dev`, or `chrome://tracing`, beside a `jax.profiler` trace): one
+        track per resource (compute, h2d, d2h, host, network), one slice per kernel,
+        copy, host computation or collective, with its `op_name` and phase. Returns
+        `path`. Needs an estimate made with `compile=True`."""
+        if self.simulation is None:
+            raise ValueError(
+                f"StepEstimate.timeline({path!r}): this estimate of {self.name!r} was made "
+                "from the trace alone (`compile=False`), so there is no schedule to draw. "
+                "Call `ox.estimate(..., compile=True)`."
+            )
+        return write_timeline(self.simulation, path, f"{self.name} ({self.strategy}) on {self.target}")
 
     @property
     def fits(self) -> bool | None:
@@ -291,6 +317,9 @@ class StepEstimate:
             "phases": {k: dataclasses.asdict(v) for k, v in self.phases.items()},
             "speeds": dataclasses.asdict(self.speeds),
             "notes": list(self.notes),
+            "model": self.model,
+            "traced_seconds": self.traced_seconds,
+            "simulation": None if self.simulation is None else _summary(self.simulation),
         }
 
     def __str__(self) -> str:
@@ -322,8 +351,24 @@ class StepEstimate:
                     numeric=True,
                 ),
                 *(f"Note ({phase}): {note}" for phase, note in self.notes),
+                *self._simulation_lines(),
             ]
         )
+
+    def _simulation_lines(self) -> list[str]:
+        sim = self.simulation
+        if sim is None:
+            return []
+        busy = ", ".join(f"{r} {sim.busy[r] * 1e3:.3f}" for r in RESOURCES if sim.busy[r])
+        waited = ", ".join(f"{r} {s * 1e3:.3f}" for r, s in sim.waited.items()) or "nothing"
+        lines = [
+            f"Compiled schedule: {sim.kernels} kernels; busy (ms): {busy}; the compute "
+            f"stream waits for {waited} (ms). The jaxpr count predicts "
+            f"{(self.traced_seconds or 0) * 1e3:.3f} ms.",
+            "Costliest instructions (ms, all executions):",
+        ]
+        lines += [f"  {s * 1e3:.3f} {r:8} {name}  {op[-70:]}" for name, op, r, s in sim.top[:5]]
+        return lines + [f"Note: {note}" for note in sim.notes]
 
     __repr__ = __str__
 
@@ -341,11 +386,15 @@ def estimate_from(
     # Refused here as `memory_report` refuses it, not priced for a target that cannot run it.
     if costs.jaxpr is not None:
         check_host_compute(costs.jaxpr, target.platform, f"target {target.name!r}")
-    seconds, phases = predict(load_of(costs), speeds)
-    device = host = None
+    traced, phases = predict(load_of(costs), speeds)
+    device = host = simulation = None
+    seconds = traced
     if compile:
-        report = memory_report(step, *args, target=target, **kwargs)
+        name = getattr(step, "__name__", None) or type(step.fn).__name__
+        report, compiled = compiled_report(program_of_step(step, args, kwargs), target, name)
         device, host = report.total, report.host_total
+        simulation = simulate(compiled.as_text(), speeds, report.device.get("temp", 0))
+        seconds, phases = simulation.seconds, simulated_phases(simulation)
     return StepEstimate(
         name=getattr(step, "__name__", None) or type(step.fn).__name__,
         strategy=step.strategy.name,
@@ -361,7 +410,35 @@ def estimate_from(
         speeds=speeds,
         capacity=target.capacity,
         notes=tuple((p, w.note) for p, w in costs.work.items() if w.note),
+        traced_seconds=traced,
+        simulation=simulation,
     )
+
+
+def simulated_phases(simulation: Simulation) -> dict[str, PhaseTime]:
+    """Each phase's resources busy and its time on the compute stream, simulated;
+    `exposed` is the time the stream waited for copies, host work and collectives."""
+    phases = {}
+    for phase in PHASES:
+        busy = simulation.phase_busy.get(phase, dict.fromkeys(RESOURCES, 0.0))
+        seconds = simulation.phase_seconds.get(phase, 0.0)
+        phases[phase] = PhaseTime(
+            busy["compute"], busy["h2d"], busy["d2h"], busy["host"],
+            max(seconds - busy["compute"], 0.0), seconds,
+        )  # fmt: skip
+    return phases
+
+
+def _summary(simulation: Simulation) -> dict[str, Any]:
+    return {
+        "seconds": simulation.seconds,
+        "kernels": simulation.kernels,
+        "flops": simulation.flops,
+        "busy": simulation.busy,
+        "waited": simulation.waited,
+        "top": [list(t) for t in simulation.top],
+        "notes": list(simulation.notes),
+    }
 
 
 @checks_options

@@ -12,7 +12,12 @@ several runs (the least disturbed by other work on the machine):
   the CPU's device and `pinned_host` memory spaces inside a jitted program (a copy
   within this machine's RAM);
 - host compute runs on the same cores: `host_flops`, `host_bandwidth` are the same
-  figures; `host_memory` is the machine's physical memory.
+  figures; `host_memory` is the machine's physical memory;
+- `kernel_launch`: a chain of `LAUNCHES` dependent 8 x 8 matmuls, each its own kernel of
+  negligible work: the time XLA:CPU spends per instruction beyond its work;
+- `first_touch_bandwidth`: a jitted fill of `FRESH` float32 values, larger than the C
+  allocator keeps for reuse (32 MiB), so every call writes pages new to the process:
+  the rate at which XLA:CPU's per-execution temporary buffer is first written.
 
 Measured in float32: bfloat16 arithmetic on a CPU is emulated and far slower, so time
 CPU steps in float32.
@@ -30,6 +35,8 @@ from .targets import Speeds
 
 MATMUL = 1024
 STREAM = 4 * 2**20  # float32 values: 16 MiB per array
+LAUNCHES = 200
+FRESH = 16 * 2**20  # float32 values: 64 MiB, above glibc's largest reuse threshold
 _REPEATS = 5
 
 
@@ -67,6 +74,28 @@ def cpu_speeds() -> Speeds:
     up = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))
     d2h = 4 * STREAM / _best_seconds(lambda: down(x))
     h2d = 4 * STREAM / _best_seconds(lambda: up(on_host))
+    return _with_overheads(flops, memory_bandwidth, h2d, d2h, cpu)
+
+
+def _launch_seconds(cpu: jax.Device) -> float:
+    def chain(a: jax.Array, w: jax.Array) -> jax.Array:
+        for _ in range(LAUNCHES):
+            a = a @ w  # a dot is never fused with the next: one kernel each
+        return a
+
+    a = jax.device_put(jnp.ones((8, 8), jnp.float32), cpu)
+    w = jax.device_put(jnp.eye(8, dtype=jnp.float32), cpu)
+    run = jax.jit(chain)
+    return _best_seconds(lambda: run(a, w)) / LAUNCHES
+
+
+def _first_touch_bandwidth(cpu: jax.Device) -> float:
+    fill = jax.jit(lambda v: jnp.broadcast_to(v, (FRESH,)))
+    v = jax.device_put(jnp.float32(1.0), cpu)
+    return 4 * FRESH / _best_seconds(lambda: fill(v))
+
+
+def _with_overheads(flops: float, memory_bandwidth: float, h2d: float, d2h: float, cpu: jax.Device) -> Speeds:
     return Speeds(
         flops=flops,
         efficiency=1.0,
@@ -77,4 +106,6 @@ def cpu_speeds() -> Speeds:
         host_bandwidth=memory_bandwidth,
         host_memory=_physical_memory(),
         source=f"measured on this machine's CPU ({os.cpu_count()} cores), float32",
+        kernel_launch=_launch_seconds(cpu),
+        first_touch_bandwidth=_first_touch_bandwidth(cpu),
     )

@@ -94,9 +94,36 @@ def _devices(target: Target) -> tuple:
     return tuple(topology.devices)
 
 
+_BACKEND = {"cuda": "gpu", "tpu": "tpu"}
+
+
+def _attached(target: Target) -> tuple | None:
+    """This machine's own accelerators when they are the target's chip, enough of them:
+    a program is then compiled for the hardware it runs on (the same compiler, and the
+    installed plugin whatever its CUDA version). None otherwise."""
+    backend = _BACKEND.get(target.platform)
+    try:
+        if backend is None or jax.default_backend() != backend:
+            return None
+        devices = tuple(jax.devices(backend))
+    except RuntimeError:
+        return None
+    chip = target.name.split("-")[0].lower()
+    if target.platform == "tpu":
+        chip = target.topology.split(":")[0].lower()
+    kind = devices[0].device_kind.lower().replace(" ", "")
+    if chip not in kind or len(devices) < (_declared_count(target) or 1):
+        return None
+    return devices[: _declared_count(target) or 1]
+
+
 def target_devices(target: "str | Target") -> tuple:
-    """The (compile-only, for deviceless targets) devices of `target`."""
+    """The devices of `target`: this machine's, when it has the target's chip; else
+    compile-only ones (deviceless targets)."""
     target = get_target(target)
+    attached = _attached(target)
+    if attached is not None:
+        return attached
     require_extra(target)
     return _devices(target)
 

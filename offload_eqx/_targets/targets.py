@@ -54,7 +54,18 @@ class Speeds:
     - `host_flops`, `host_bandwidth`: the host CPU cores and memory bandwidth that serve
         one device (the machine's figures divided by its devices), for host-side compute.
     - `host_memory`: host memory per device, bytes (the machine's divided by its devices).
+    - `kernel_launch`: seconds every kernel takes beyond its roofline time (launch and
+        ramp; on a CPU, XLA's dispatch of one instruction). 0: not priced.
+    - `interconnect_bandwidth`: bytes/s one device sends to its peers in a collective
+        (a ring's per-link rate). 0: collectives are not priced.
+    - `first_touch_bandwidth`: bytes/s at which a step's temporary buffer is first
+        written when the runtime allocates it afresh for every execution (XLA:CPU: each
+        page faulted in from the operating system). 0: not priced (a GPU's or TPU's
+        allocator keeps its memory).
     - `source`: where the figures come from, one line.
+
+    The jaxpr count (`ox.estimate(..., compile=False)`) uses the first eight; the
+    compiled-program simulation all of them.
     """
 
     flops: float
@@ -66,11 +77,16 @@ class Speeds:
     host_bandwidth: float
     host_memory: int
     source: str = ""
+    kernel_launch: float = 0.0
+    interconnect_bandwidth: float = 0.0
+    first_touch_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "source":
+                continue
+            if field.name in _MAY_BE_ZERO and _positive_or_zero(value):
                 continue
             if not _positive(value) or (field.name == "efficiency" and value > 1):
                 allowed = "a fraction in (0, 1]" if field.name == "efficiency" else "a number > 0"
@@ -121,6 +137,13 @@ class Target:
     @property
     def extra(self) -> str | None:
         return _EXTRAS[self.platform][1] if self.platform in _EXTRAS else None
+
+
+_MAY_BE_ZERO = ("kernel_launch", "interconnect_bandwidth", "first_touch_bandwidth")
+
+
+def _positive_or_zero(value: object) -> bool:
+    return _positive(value) or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
 
 
 def _positive(value: object) -> bool:
@@ -203,6 +226,12 @@ _H100_SPEEDS = Speeds(
     host_bandwidth=77 * _G,
     host_memory=2 * 10**12 // 8,
     source="NVIDIA H100 SXM5 and DGX H100 datasheets; PCIe Gen5 x16 by nvbandwidth",
+    # Measured on an H100 80GB HBM3 (2026-11-26, jax 0.11.2, a jax.profiler trace of
+    # benchmarks/step_time.py's steps): kernels whose roofline time is under 0.2 us ran
+    # 1.43 us on average (median 1.25 us), back to back inside CUDA graphs.
+    kernel_launch=1.4e-6,
+    # NVLink 4: 900 GB/s per GPU both ways together (H100 datasheet), 450 GB/s each way.
+    interconnect_bandwidth=450 * _G,
 )
 # NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (A100 datasheet). PCIe Gen4
 # x16: about 25 GB/s each way (half of Gen5). Host: a DGX A100 (2 TB, 2x EPYC 7742, 128
@@ -218,6 +247,7 @@ _A100_SPEEDS = Speeds(
     host_bandwidth=51 * _G,
     host_memory=2 * 10**12 // 8,
     source="NVIDIA A100 and DGX A100 datasheets; PCIe Gen4 x16 assumed at 25 GB/s",
+    interconnect_bandwidth=300 * _G,  # NVLink 3: 600 GB/s both ways (A100 datasheet)
 )
 # TPU v5p: 459 TFLOP/s BF16, 2,765 GB/s HBM2e (cloud.google.com/tpu/docs/v5p). Its host
 # link is not published: assumed 32 GB/s each way (PCIe Gen4 x16 class). Host: a
@@ -234,6 +264,9 @@ _V5P_SPEEDS = Speeds(
     host_bandwidth=154 * _G,
     host_memory=448 * 10**9 // 4,
     source="Google Cloud TPU v5p page; ct5p-hightpu-4t VM; host link assumed",
+    # ICI: 4,800 Gbps per chip (the v5p page) over the 6 links of its 3D torus; a ring
+    # along one axis uses 2 of them: 200 GB/s.
+    interconnect_bandwidth=200 * _G,
 )
 # TPU v5e: 197 TFLOP/s BF16, 819 GB/s HBM2 (cloud.google.com/tpu/docs/v5e); host
 # ct5lp-hightpu-1t (24 vCPUs, 48 GB). v6e: 918 TFLOP/s BF16, 1,640 GB/s
@@ -249,6 +282,7 @@ _V5E_SPEEDS = Speeds(
     host_bandwidth=50 * _G,
     host_memory=48 * 10**9,
     source="Google Cloud TPU v5e page; ct5lp-hightpu-1t VM; host link assumed",
+    interconnect_bandwidth=100 * _G,  # ICI 1,600 Gbps over 4 links (2D torus); 2 per ring
 )
 _V6E_SPEEDS = Speeds(
     flops=918 * _T,
@@ -260,6 +294,7 @@ _V6E_SPEEDS = Speeds(
     host_bandwidth=77 * _G,
     host_memory=176 * 10**9,
     source="Google Cloud TPU v6e page; ct6e-standard-1t VM; host link assumed",
+    interconnect_bandwidth=224 * _G,  # ICI 3,584 Gbps over 4 links (2D torus); 2 per ring
 )
 
 TARGETS: dict[str, Target] = {

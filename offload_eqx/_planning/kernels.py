@@ -1,0 +1,229 @@
+"""What one instruction of a compiled module costs, as XLA formed it: its FLOPs, the bytes it
+reads and writes in device and in host memory, and which resource runs it.
+
+- A fusion's FLOPs are those of the dots and convolutions inside it (at any depth), from
+  their dimensions; its bytes are its operands read and its results written, where an
+  operand only sliced inside the fusion is read as the slices, and a result updated in
+  place (`dynamic-update-slice`) is written as the update.
+- A `dot` or `convolution` outside a fusion, and the custom calls of cuBLAS, the same.
+- Every other instruction that does work moves its operands and results.
+- Bytes in host memory (`S(5)` in the layout) cross the host link: host-to-device when
+  read, device-to-host when written.
+"""
+
+import dataclasses
+import math
+import re
+
+from .hlo import Array, Computation, Instruction, Module, arrays, nbytes
+
+# Instructions that run no kernel: they name, alias or group buffers.
+FREE = frozenset(
+    """parameter constant get-tuple-element tuple bitcast opt-barrier after-all add-dependency
+    partition-id replica-id domain get-dimension-size set-dimension-size""".split()
+)
+# Collectives, synchronous or as the `-start` of an asynchronous pair.
+COLLECTIVES = frozenset(
+    "all-reduce all-gather reduce-scatter collective-permute all-to-all "
+    "collective-broadcast ragged-all-to-all".split()
+)
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+_IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+_PASS = frozenset({"bitcast", "reshape", "copy", "convert", "get-tuple-element", "tuple"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """The work of one execution of an instruction."""
+
+    flops: float = 0.0
+    device_bytes: float = 0.0
+    host_read: float = 0.0  # bytes read from host memory: over the link, host-to-device
+    host_write: float = 0.0  # bytes written to host memory: device-to-host
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(
+            self.flops + other.flops,
+            self.device_bytes + other.device_bytes,
+            self.host_read + other.host_read,
+            self.host_write + other.host_write,
+        )
+
+
+def _dims(text: str | None) -> tuple[int, ...]:
+    return tuple(int(d) for d in re.findall(r"\d+", text or ""))
+
+
+def _first(value: object) -> Array | None:
+    return next(arrays(value), None)  # type: ignore[arg-type]
+
+
+def dot_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
+    """2 x (result elements) x (contracted elements) of a `dot`."""
+    result = _first(instruction.type)
+    lhs = _first(module.operand_type(computation, instruction.operands[0]))
+    if result is None or lhs is None:
+        return 0.0
+    contracted = math.prod(lhs.dims[d] for d in _dims(instruction.attribute("lhs_contracting_dims")) if d < len(lhs.dims))
+    return 2.0 * result.elements * contracted
+
+
+def convolution_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
+    """2 x (result elements) x (kernel elements per output feature): the kernel's input
+    features are already those of one feature group."""
+    result = _first(instruction.type)
+    kernel = _first(module.operand_type(computation, instruction.operands[1]))
+    if result is None or kernel is None:
+        return 0.0
+    labels = instruction.attribute("dim_labels") or ""
+    kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
+    out_feature = kernel_labels.find("o")
+    per_output = kernel.elements / (kernel.dims[out_feature] if 0 <= out_feature < len(kernel.dims) else 1)
+    return 2.0 * result.elements * per_output
+
+
+def _gemm_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
+    """A cuBLAS gemm custom call: its dot's dimensions are in the backend configuration."""
+    result = _first(instruction.type)
+    lhs = _first(module.operand_type(computation, instruction.operands[0]))
+    match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
+    if result is None or lhs is None or match is None:
+        return 0.0
+    contracted = math.prod(lhs.dims[d] for d in _dims(match.group(1)) if d < len(lhs.dims))
+    return 2.0 * result.elements * contracted
+
+
+def inner_flops(module: Module, name: str, seen: frozenset = frozenset()) -> float:
+    """The FLOPs of the dots and convolutions of computation `name`, at any depth."""
+    computation = module.computations.get(name)
+    if computation is None or name in seen:
+        return 0.0
+    total = 0.0
+    for instruction in computation.instructions:
+        total += own_flops(module, computation, instruction)
+        for called in instruction.calls:
+            total += inner_flops(module, called, seen | {name})
+    return total
+
+
+def own_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
+    if instruction.opcode == "dot":
+        return dot_flops(module, computation, instruction)
+    if instruction.opcode == "convolution":
+        return convolution_flops(module, computation, instruction)
+    if instruction.opcode == "custom-call" and "gemm" in (instruction.attribute("custom_call_target") or "").lower():
+        return _gemm_flops(module, computation, instruction)
+    return 0.0
+
+
+def _users(computation: Computation) -> dict[str, list[tuple[Instruction, int]]]:
+    users: dict[str, list[tuple[Instruction, int]]] = {}
+    for instruction in computation.instructions:
+        for position, (name, _) in enumerate(instruction.operands):
+            users.setdefault(name, []).append((instruction, position))
+    return users
+
+
+def _read_bytes(computation: Computation, parameter: Instruction, users: dict) -> float | None:
+    """The bytes a fused parameter is read as when every use slices it or updates it in
+    place (None: read whole)."""
+    total = 0.0
+    for user, position in users.get(parameter.name, []):
+        if user.opcode in _SLICING and position == 0:
+            total += nbytes(user.type)
+        elif user.opcode in _IN_PLACE and position == 0:
+            continue
+        elif user.opcode == "bitcast":
+            inner = _read_bytes(computation, user, users)
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
+    return total
+
+
+def _written(computation: Computation, instruction: Instruction) -> list[tuple[float, bool]]:
+    """(bytes written, in host memory) for each array a fused root writes."""
+    if instruction.opcode == "tuple":
+        return [w for name, _ in instruction.operands for w in _written(computation, computation.by_name[name])]
+    if instruction.opcode in _IN_PLACE and len(instruction.operands) > 1:
+        update = computation.by_name.get(instruction.operands[1 if instruction.opcode == "dynamic-update-slice" else 2][0])
+        host = any(a.host for a in arrays(instruction.type))
+        return [(float(nbytes(update.type)) if update else 0.0, host)]
+    if instruction.opcode == "bitcast" and instruction.operands:
+        source = computation.by_name.get(instruction.operands[0][0])
+        if source is not None and source.opcode in _IN_PLACE:
+            return _written(computation, source)
+    return [(float(a.bytes), a.host) for a in arrays(instruction.type)]
+
+
+def fusion_work(module: Module, computation: Computation, instruction: Instruction) -> Work:
+    """The work of one fusion (or any instruction calling one computation as a kernel)."""
+    fused = module.computations.get(instruction.calls[0]) if instruction.calls else None
+    flops = inner_flops(module, fused.name) if fused is not None else 0.0
+    users = _users(fused) if fused is not None else {}
+    parameters = {
+        inner.parameter_number: inner
+        for inner in (fused.instructions if fused is not None else ())
+        if inner.parameter_number is not None
+    }
+    device = host_read = host_write = 0.0
+    for index, operand in enumerate(instruction.operands):
+        value = module.operand_type(computation, operand)
+        whole = float(nbytes(value))
+        parameter = parameters.get(index)
+        sliced = _read_bytes(fused, parameter, users) if parameter is not None and fused else None
+        read = whole if sliced is None else min(sliced, whole)
+        if any(a.host for a in arrays(value)):
+            host_read += read
+        else:
+            device += read
+    root_writes = _written(fused, fused.root) if fused is not None else [(float(a.bytes), a.host) for a in arrays(instruction.type)]
+    for written, host in root_writes:
+        if host:
+            host_write += written
+        else:
+            device += written
+    return Work(flops, device, host_read, host_write)
+
+
+def _moved(module: Module, computation: Computation, instruction: Instruction, flops: float) -> Work:
+    """Work that reads every operand whole and writes every result."""
+    device = host_read = host_write = 0.0
+    for operand in instruction.operands:
+        for a in arrays(module.operand_type(computation, operand)):
+            if a.host:
+                host_read += a.bytes
+            else:
+                device += a.bytes
+    for a in arrays(instruction.type):
+        if a.host:
+            host_write += a.bytes
+        else:
+            device += a.bytes
+    return Work(flops, device, host_read, host_write)
+
+
+def instruction_work(module: Module, computation: Computation, instruction: Instruction) -> Work:
+    """The work of one synchronous instruction run as a kernel (`FREE` ones do none)."""
+    opcode = instruction.opcode
+    if opcode in FREE:
+        return Work()
+    if opcode == "fusion":
+        return fusion_work(module, computation, instruction)
+    if opcode in _SLICING or opcode in _IN_PLACE:
+        # A slice reads what it returns; an in-place update reads and writes the update.
+        piece = instruction.type if opcode in _SLICING else module.operand_type(
+            computation, instruction.operands[1 if opcode == "dynamic-update-slice" else -1]
+        )
+        host_in = any(a.host for a in arrays(module.operand_type(computation, instruction.operands[0])))
+        host_out = any(a.host for a in arrays(instruction.type))
+        size = float(nbytes(piece))
+        return Work(
+            0.0,
+            size * ((not host_in) + (not host_out)),
+            size if host_in else 0.0,
+            size if host_out else 0.0,
+        )
+    return _moved(module, computation, instruction, own_flops(module, computation, instruction))

@@ -1,0 +1,393 @@
+"""The compiled program run as events on a device's resources: `simulate(text, speeds)`.
+
+The module XLA compiled (`hlo.py` reads it) is run in its schedule order on five
+resources, each doing one thing at a time:
+
+- `compute`: the device's stream. Each kernel (`kernels.py`) takes its roofline time,
+  `max(FLOPs / (peak x efficiency), device bytes / HBM bandwidth, host bytes / link
+  bandwidth)`, plus the target's `kernel_launch` cost. A `while` runs its condition and
+  body once per trip (`known_trip_count`; once, with a note, where XLA does not know
+  it), a `call` its computation, a `conditional` its costliest branch.
+- `h2d`, `d2h`: the copy engines. An asynchronous copy or fusion (`copy-start`,
+  `fusion-start`, ...) that reads host memory is host-to-device work, one that writes it
+  device-to-host, at the link's bandwidth in that direction.
+- `host`: the host CPU. A host computation (`custom-call-start` of `HostExecute`, or
+  an asynchronous `call` on the host thread) runs its instructions at the host's rates.
+- `network`: the interconnect. A collective takes the ring's time over its replica
+  group of `n` devices: all-reduce `2 (n-1)/n x bytes`, all-gather and reduce-scatter
+  `(n-1)/n x` the larger side, all-to-all `(n-1)/n x bytes`, a permute its bytes, at
+  the target's `interconnect_bandwidth`.
+
+Asynchronous work starts when its `-start` is reached and the resource is free; its
+`-done` waits on the compute stream until the work is finished. A synchronous
+collective or copy is a start and a done at once. The step ends when every resource
+is idle. Each event is labelled with its phase (forward, backward, update) by its
+`op_name` metadata, the rule the jaxpr count uses.
+"""
+
+import dataclasses
+import re
+from typing import Any
+
+from .._base.primitives import phase_of
+from .._targets.targets import Speeds
+from .hlo import Computation, Instruction, Module, arrays, nbytes, parse_module
+from .kernels import COLLECTIVES, FREE, Work, fusion_work, inner_flops, instruction_work
+
+RESOURCES = ("compute", "h2d", "d2h", "host", "network")
+# Iterations of one loop simulated event by event; the rest repeat the last one's time.
+EXPLICIT_TRIPS = 64
+_EVENT_LIMIT = 200_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One piece of work on one resource: seconds from the step's start."""
+
+    resource: str
+    name: str
+    start: float
+    end: float
+    phase: str
+    op_name: str = ""
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """The simulated step: its time, each resource's busy time, what the compute stream
+    waited for, the costliest instructions, and (up to a limit) every event."""
+
+    seconds: float
+    busy: dict[str, float]
+    waited: dict[str, float]  # compute-stream time spent waiting at `-done`s, by resource
+    phase_seconds: dict[str, float]  # compute-stream time (work and waits) per phase
+    phase_busy: dict[str, dict[str, float]]  # phase -> resource -> busy seconds
+    flops: float
+    kernels: int
+    top: tuple[tuple[str, str, str, float], ...]  # (instruction, op_name, resource, seconds)
+    events: tuple[Event, ...]
+    notes: tuple[str, ...] = ()
+    truncated: bool = False  # events beyond `_EVENT_LIMIT` (or repeated trips) not kept
+
+    @property
+    def exposed(self) -> float:
+        """Compute-stream time spent waiting for copies, host work and collectives."""
+        return sum(self.waited.values())
+
+
+class _Simulator:
+    def __init__(self, module: Module, speeds: Speeds) -> None:
+        self.module, self.speeds = module, speeds
+        self.clock = 0.0  # the compute stream
+        self.free = dict.fromkeys(RESOURCES, 0.0)
+        self.busy = dict.fromkeys(RESOURCES, 0.0)
+        self.waited = dict.fromkeys(RESOURCES, 0.0)
+        self.phase_seconds: dict[str, float] = {}
+        self.phase_busy: dict[str, dict[str, float]] = {}
+        self.pending: dict[str, tuple[str, float]] = {}  # start name -> (resource, end)
+        self.cost: dict[tuple[str, int], Any] = {}
+        self.by_instruction: dict[str, list] = {}
+        self.events: list[Event] = []
+        self.flops = 0.0
+        self.kernels = 0
+        self.seen_backward = False
+        self.notes: list[str] = []
+        self.truncated = False
+
+    # -- pricing ------------------------------------------------------------------------
+
+    def kernel_seconds(self, work: Work, host: bool = False) -> float:
+        s = self.speeds
+        if host:
+            return max(work.flops / s.host_flops, (work.device_bytes + work.host_read + work.host_write) / s.host_bandwidth)
+        return s.kernel_launch + max(
+            work.flops / (s.flops * s.efficiency),
+            work.device_bytes / s.memory_bandwidth,
+            work.host_read / s.h2d_bandwidth,
+            work.host_write / s.d2h_bandwidth,
+        )
+
+    def host_seconds(self, name: str, seen: frozenset = frozenset()) -> float:
+        """A host computation: every instruction of computation `name` at host rates."""
+        computation = self.module.computations.get(name)
+        if computation is None or name in seen:
+            return 0.0
+        total = 0.0
+        for instruction in computation.instructions:
+            if instruction.opcode == "while":
+                trips = instruction.trip_count or 1
+                total += trips * sum(self.host_seconds(c, seen | {name}) for c in instruction.calls)
+            elif instruction.opcode in ("call", "conditional") or (instruction.calls and instruction.opcode != "fusion"):
+                total += sum(self.host_seconds(c, seen | {name}) for c in instruction.calls)
+            elif instruction.opcode not in FREE:
+                work = instruction_work(self.module, computation, instruction)
+                total += self.kernel_seconds(work, host=True)
+        return total
+
+    def collective_seconds(self, opcode: str, instruction: Instruction, computation: Computation) -> float:
+        groups = re.findall(r"\{([\d,\s]+)\}", instruction.attribute("replica_groups") or "")
+        n = max((len(g.split(",")) for g in groups), default=0)
+        if n == 0:
+            iota = re.search(r"\[(\d+),(\d+)\]<=", instruction.attribute("replica_groups") or "")
+            n = int(iota.group(2)) if iota else 1
+        if opcode == "collective-permute":
+            n = 2
+        out = float(nbytes(instruction.type))
+        operand = float(sum(nbytes(self.module.operand_type(computation, o)) for o in instruction.operands))
+        size = max(out, operand)
+        if n <= 1:
+            return 0.0
+        bandwidth = self.speeds.interconnect_bandwidth
+        if not bandwidth:
+            self.note("collectives are not priced: the target's Speeds has no interconnect_bandwidth")
+            return 0.0
+        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(opcode, (n - 1) / n)
+        return self.speeds.kernel_launch + factor * size / bandwidth
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # -- running ------------------------------------------------------------------------
+
+    def phase(self, instruction: Instruction) -> str:
+        stack = instruction.op_name
+        found = phase_of(stack, "forward", self.seen_backward)
+        self.seen_backward = self.seen_backward or found == "backward"
+        return found
+
+    def record(self, resource: str, instruction: Instruction, start: float, end: float, phase: str, work: Work | None = None) -> None:
+        self.busy[resource] += end - start
+        self.phase_busy.setdefault(phase, dict.fromkeys(RESOURCES, 0.0))[resource] += end - start
+        self.by_instruction.setdefault(instruction.name, [instruction.op_name, resource, 0.0])[2] += end - start
+        if len(self.events) < _EVENT_LIMIT:
+            w = work or Work()
+            self.events.append(
+                Event(resource, instruction.name, start, end, phase, instruction.op_name, w.flops,
+                      w.device_bytes + w.host_read + w.host_write)
+            )
+        else:
+            self.truncated = True
+
+    def advance(self, seconds: float, phase: str) -> None:
+        self.clock += seconds
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+    def run(self, name: str) -> None:
+        computation = self.module.computations[name]
+        for instruction in computation.instructions:
+            self.step(computation, instruction)
+
+    def step(self, computation: Computation, instruction: Instruction) -> None:
+        opcode = instruction.opcode
+        if opcode in FREE:
+            return
+        if opcode == "while":
+            return self.loop(instruction)
+        if opcode == "call":
+            for called in instruction.calls:
+                self.run(called)
+            return
+        if opcode == "conditional":
+            return self.branch(instruction)
+        if opcode.endswith("-done"):
+            return self.done(instruction)
+        if opcode.endswith("-update"):
+            return
+        if opcode.endswith("-start"):
+            return self.start(computation, instruction)
+        base = opcode
+        if base in COLLECTIVES:
+            self.start(computation, instruction)
+            return self.done(instruction, own=True)
+        self.kernel(computation, instruction)
+
+    def kernel(self, computation: Computation, instruction: Instruction) -> None:
+        key = ("kernel", id(instruction))
+        if key not in self.cost:
+            work = instruction_work(self.module, computation, instruction)
+            self.cost[key] = (work, self.kernel_seconds(work))
+        work, seconds = self.cost[key]
+        phase = self.phase(instruction)
+        start = self.clock
+        self.advance(seconds, phase)
+        self.flops += work.flops
+        self.kernels += 1
+        self.record("compute", instruction, start, self.clock, phase, work)
+        for resource, moved, rate in (("h2d", work.host_read, self.speeds.h2d_bandwidth), ("d2h", work.host_write, self.speeds.d2h_bandwidth)):
+            if moved:  # a kernel reading or writing host memory holds the link while it runs
+                self.free[resource] = max(self.free[resource], start) + moved / rate
+                self.busy[resource] += moved / rate
+        self.free["compute"] = self.clock
+
+    def first_touch(self, temp_bytes: int) -> None:
+        """The temporary buffer's pages, new to the process, faulted in as first written."""
+        seconds = temp_bytes / self.speeds.first_touch_bandwidth
+        touch = Instruction("temporary buffer (first touch)", "first-touch", (), (), "")
+        self.advance(seconds, "forward")
+        self.record("compute", touch, 0.0, seconds, "forward", Work(0.0, float(temp_bytes)))
+
+    def loop(self, instruction: Instruction) -> None:
+        trips = instruction.trip_count
+        if trips is None:
+            self.note(f"the trip count of {instruction.name} is unknown: its body is counted once")
+            trips = 1
+        body, condition = instruction.calls[0], instruction.calls[-1]
+        explicit = min(trips, EXPLICIT_TRIPS)
+        for _ in range(explicit):
+            self.run(condition)
+            before = self.snapshot()
+            self.run(body)
+        self.run(condition)
+        if trips > explicit:
+            self.repeat(before, trips - explicit)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "clock": self.clock,
+            "free": dict(self.free),
+            "busy": dict(self.busy),
+            "waited": dict(self.waited),
+            "phase_seconds": dict(self.phase_seconds),
+            "phase_busy": {k: dict(v) for k, v in self.phase_busy.items()},
+            "flops": self.flops,
+            "kernels": self.kernels,
+        }
+
+    def repeat(self, before: dict[str, Any], times: int) -> None:
+        """Repeat the last iteration's effect `times` more times, without events."""
+        self.truncated = True
+        delta = self.clock - before["clock"]
+        self.clock += delta * times
+        for resource in RESOURCES:
+            self.free[resource] += (self.free[resource] - before["free"][resource]) * times
+            self.busy[resource] += (self.busy[resource] - before["busy"][resource]) * times
+            self.waited[resource] += (self.waited[resource] - before["waited"][resource]) * times
+        for phase, seconds in list(self.phase_seconds.items()):
+            self.phase_seconds[phase] = seconds + (seconds - before["phase_seconds"].get(phase, 0.0)) * times
+        for phase, busy in self.phase_busy.items():
+            old = before["phase_busy"].get(phase, {})
+            for resource in RESOURCES:
+                busy[resource] += (busy[resource] - old.get(resource, 0.0)) * times
+        self.flops += (self.flops - before["flops"]) * times
+        self.kernels += (self.kernels - before["kernels"]) * times
+
+    def branch(self, instruction: Instruction) -> None:
+        def weight(name: str) -> float:
+            return inner_flops(self.module, name) + sum(
+                nbytes(i.type) for i in self.module.computations[name].instructions
+            )
+
+        branches = [c for c in instruction.calls if c in self.module.computations]
+        if branches:
+            if len(branches) > 1:
+                self.note("a conditional is priced at its costliest branch")
+            self.run(max(branches, key=weight))
+
+    # -- asynchronous work --------------------------------------------------------------
+
+    def async_work(self, computation: Computation, instruction: Instruction) -> tuple[str, float, Work]:
+        """(resource, seconds, work) of an asynchronous start."""
+        opcode = instruction.opcode.removesuffix("-start")
+        target = instruction.attribute("custom_call_target") or ""
+        wrapped = self.module.computations.get(instruction.calls[0]) if instruction.calls else None
+        if opcode == "async" and wrapped is not None:
+            inner = wrapped.root
+            opcode, target = inner.opcode, inner.attribute("custom_call_target") or target
+            if inner.opcode.removesuffix("-start") in COLLECTIVES:
+                return "network", self.collective_seconds(inner.opcode, inner, wrapped), Work()
+        on_host = "host" in (instruction.attribute("async_execution_thread") or "") or "HostExecute" in target or "host" in target.lower()
+        if on_host:
+            called = wrapped.root.calls if wrapped is not None and opcode != "custom-call" else instruction.calls
+            seconds = sum(self.host_seconds(c) for c in called)
+            if not seconds and wrapped is not None:
+                seconds = sum(self.host_seconds(c) for i in wrapped.instructions for c in i.calls)
+            return "host", seconds, Work()
+        if opcode in COLLECTIVES:
+            return "network", self.collective_seconds(opcode, instruction, computation), Work()
+        if instruction.opcode == "async-start" and wrapped is not None:
+            return self.link_work(instruction_work(self.module, wrapped, wrapped.root))
+        return self.link_work(self.copy_or_fusion(computation, instruction, opcode))
+
+    def copy_or_fusion(self, computation: Computation, instruction: Instruction, opcode: str) -> Work:
+        """The work of a `copy-start` (or a `fusion-start` in its short form)."""
+        if opcode == "copy":
+            source = self.module.operand_type(computation, instruction.operands[0])
+            result = instruction.type[0] if isinstance(instruction.type, tuple) and instruction.type else instruction.type
+            size = float(nbytes(source))
+            src_host = any(a.host for a in arrays(source))
+            dst_host = any(a.host for a in arrays(result))
+            return Work(0.0, 0.0, size if src_host else 0.0, size if dst_host else 0.0)
+        return fusion_work(self.module, computation, instruction)
+
+    def link_work(self, work: Work) -> tuple[str, float, Work]:
+        """Asynchronous work on the copy engine of the direction it moves most, or, moving
+        nothing over the link, a kernel on the compute stream."""
+        s = self.speeds
+        if work.host_read >= work.host_write and work.host_read:
+            return "h2d", s.kernel_launch + work.host_read / s.h2d_bandwidth, work
+        if work.host_write:
+            return "d2h", s.kernel_launch + work.host_write / s.d2h_bandwidth, work
+        return "compute", self.kernel_seconds(work), work
+
+    def start(self, computation: Computation, instruction: Instruction) -> None:
+        key = ("start", id(instruction))
+        if key not in self.cost:
+            self.cost[key] = self.async_work(computation, instruction)
+        resource, seconds, work = self.cost[key]
+        phase = self.phase(instruction)
+        if resource == "compute":  # an asynchronous kernel with nothing to overlap: run it
+            self.kernel(computation, instruction)
+            self.pending[instruction.name] = ("compute", self.clock)
+            return
+        begin = max(self.clock, self.free[resource])
+        end = begin + seconds
+        self.free[resource] = end
+        self.flops += work.flops
+        self.record(resource, instruction, begin, end, phase, work)
+        self.pending[instruction.name] = (resource, end)
+
+    def done(self, instruction: Instruction, own: bool = False) -> None:
+        name = instruction.name if own else (instruction.operands[0][0] if instruction.operands else "")
+        resource, end = self.pending.pop(name, ("compute", self.clock))
+        if end > self.clock:
+            phase = self.phase(instruction)
+            self.waited[resource] += end - self.clock
+            self.advance(end - self.clock, phase)
+
+    def result(self) -> Simulation:
+        seconds = max([self.clock, *self.free.values()])
+        top = sorted(self.by_instruction.items(), key=lambda kv: -kv[1][2])[:8]
+        return Simulation(
+            seconds=seconds,
+            busy=dict(self.busy),
+            waited={k: v for k, v in self.waited.items() if v},
+            phase_seconds=dict(self.phase_seconds),
+            phase_busy=self.phase_busy,
+            flops=self.flops,
+            kernels=self.kernels,
+            top=tuple((name, op, resource, seconds) for name, (op, resource, seconds) in top),
+            events=tuple(self.events),
+            notes=tuple(self.notes),
+            truncated=self.truncated,
+        )
+
+
+def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0) -> Simulation:
+    """Run a compiled program's schedule on a device with `speeds`.
+
+    `program` is a `jax.stages.Compiled` (`jax.jit(f).lower(...).compile()`), its
+    `as_text()`, or a parsed `Module`. `temp_bytes`, the program's temporary buffer
+    (`memory_analysis().temp_size_in_bytes`), is first written at the target's
+    `first_touch_bandwidth` before the first kernel, where that is priced.
+    """
+    if hasattr(program, "as_text") and not isinstance(program, str):
+        program = program.as_text()
+    module = program if isinstance(program, Module) else parse_module(program)
+    simulator = _Simulator(module, speeds)
+    if temp_bytes and speeds.first_touch_bandwidth:
+        simulator.first_touch(temp_bytes)
+    simulator.run(module.entry)
+    return simulator.result()
