@@ -17,7 +17,7 @@ from beartype import beartype
 from jaxtyping import Array, Int, jaxtyped
 
 import offload_eqx as ox
-from offload_eqx._planning.estimate import Load, predict, speeds_of
+from offload_eqx._planning.traced_time import Load, predict, speeds_of
 from offload_eqx._targets.targets import Speeds
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"

@@ -118,7 +118,9 @@ def test_a_jitted_transformation_is_followed_into_its_call():
     check_per_leaf(jitted, _model(4))
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
     with pytest.raises(ValueError, match="couples parameters"):
-        check_per_leaf(optax.GradientTransformation(clipped.init, jax.jit(clipped.update)), _model(4))
+        check_per_leaf(
+            optax.GradientTransformation(clipped.init, jax.jit(clipped.update)), _model(4)
+        )
 
 
 def test_coupling_is_reported_at_init():

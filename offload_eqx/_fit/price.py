@@ -11,7 +11,7 @@ choices made alone (names interact little: each is its own tensor). Up to
 
 from typing import Any
 
-from .._planning.estimate import Delta, Load, load_of, predict
+from .._planning.traced_time import Delta, Load, load_of, predict
 from .._sharding.host_compute import host_update_problem
 from .search import Search
 from .space import (

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .._declare.activations import LayerSplit, Policy
-from .._planning.estimate import Load, predict
+from .._planning.traced_time import Load, predict
 from .search import MIN_GAIN, Search
 from .space import Choice
 

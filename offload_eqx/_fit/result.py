@@ -5,7 +5,7 @@ import time
 from typing import Any
 
 from .._base.table import format_bytes, format_table
-from .._planning.estimate import StepEstimate
+from .._planning.estimate import StepEstimate, with_simulation
 from .search import Search
 from .space import Candidate, Space
 
@@ -37,7 +37,9 @@ class FitResult:
 
     - `strategy`: the chosen plan as an `ox.Strategy`: give it to
         `ox.filter_jit(fn, strategy=...)`.
-    - `estimate`: its `ox.StepEstimate` (compiled: device and host bytes included).
+    - `estimate`: its `ox.StepEstimate`, compiled: device and host bytes, and `seconds`
+        from its compiled program's schedule (`traced_seconds`: the jaxpr count the
+        search ordered and pruned candidates by, the `ms` column of `table()`).
     - `candidates`: every `ox.Candidate` considered, in the order the search met them.
     - `traces`, `compiles`, `seconds_searching`: what the search cost.
     - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails).
@@ -89,14 +91,23 @@ class FitResult:
         return "\n".join(
             [
                 f"ox.fit on {self.estimate.target!r}: {self.strategy.name} "
-                f"({self.estimate.seconds * 1e3:.3f} ms predicted; {self.traces} traces, "
-                f"{self.compiles} compiles, {self.seconds_searching:.1f} s)",
+                f"({self.estimate.seconds * 1e3:.3f} ms predicted{self._traced()}; "
+                f"{self.traces} traces, {self.compiles} compiles, "
+                f"{self.seconds_searching:.1f} s)",
                 *self.notes,
                 format_table(
                     ("plan", "ms", "moved", "device", "host", "status"), rows, numeric=False
                 ),
                 *more,
             ]
+        )
+
+    def _traced(self) -> str:
+        traced = self.estimate.traced_seconds
+        if self.estimate.simulation is None or traced is None:
+            return ""
+        return (
+            f" from its compiled program; the jaxpr count, the ms column, says {traced * 1e3:.3f}"
         )
 
     def __str__(self) -> str:
@@ -153,6 +164,8 @@ def result_of(search: Search, notes: list[str], started: float) -> FitResult:
         )
         for c, row in search.rows.items()
     ]
+    if chosen.simulation is not None:
+        chosen = with_simulation(chosen, chosen.simulation)
     return FitResult(
         strategy=choice.strategy(search.fixed),
         estimate=chosen,

@@ -18,18 +18,18 @@ import numpy as np
 from .._base.errors import ContractError
 from .._base.table import format_bytes
 from .._declare.activations import LayerSplit
-from .._inspect.memory_report import memory_report
+from .._inspect.memory_report import compiled_report
 from .._jit.jit import FilterJit, filter_jit
-from .._planning.estimate import (
+from .._planning.estimate import StepEstimate, estimate_from, simulate_compiled
+from .._planning.traced_time import (
     Costs,
     Load,
-    StepEstimate,
-    estimate_from,
     load_of,
     predict,
     speeds_of,
     trace_costs,
 )
+from .._targets.deviceless import program_of_step
 from .._targets.targets import Target
 from .space import Candidate, Choice, NamedValue
 
@@ -241,9 +241,8 @@ class Search:
             return Candidate(label, None, seconds, moved, flops, device, host, status)
 
         try:
-            report = memory_report(
-                self.wrapper(choice), *self.args, target=self.target, **self.kwargs
-            )
+            program = program_of_step(self.wrapper(choice), self.args, dict(self.kwargs))
+            report, compiled = compiled_report(program, self.target, label)
         except Exception as error:
             if not is_out_of_memory(error):
                 # A compiler crash on one plan (XLA:TPU crashes on some host-resident
@@ -274,7 +273,14 @@ class Search:
         )
         exact_key = key_of(exact.seconds, load_of(costs))
         if fits and (self.best is None or exact_key < self.best[0]):
-            chosen = dataclasses.replace(exact, device_bytes=device, host_bytes=host)
+            # Searched by the jaxpr count (every candidate priced alike); the best also
+            # carries its compiled program's simulation, which `ox.fit` answers with.
+            chosen = dataclasses.replace(
+                exact,
+                device_bytes=device,
+                host_bytes=host,
+                simulation=simulate_compiled(compiled, report, self.speeds),
+            )
             self.best = (exact_key, choice, chosen)
         return self._row(choice, row(device, host, status))
 

@@ -39,7 +39,9 @@ def _leaf_dependencies(jaxpr: Any, labels: Sequence[frozenset]) -> list[frozense
     deps: dict[Any, frozenset] = dict(zip(jaxpr.invars, labels))
 
     def of(var: Any) -> frozenset:
-        return frozenset() if isinstance(var, jax.extend.core.Literal) else deps.get(var, frozenset())
+        return (
+            frozenset() if isinstance(var, jax.extend.core.Literal) else deps.get(var, frozenset())
+        )
 
     for eqn in jaxpr.eqns:
         body = _call_body(eqn)

@@ -1,6 +1,12 @@
-"""How fast a plan runs and how large a batch fits: the work of a traced step per
-phase (`flops`), the predicted step time (`estimate`: `ox.estimate`), and the largest batch
-that fits (`max_batch`: `ox.max_batch`).
+"""How fast a plan runs and how large a batch fits, in the order the data flows:
+
+- `flops`, `traced_time`: the work of a traced step per phase and the jaxpr count's
+  time model (before any compile: what `ox.fit` orders candidates by);
+- `hlo`, `kernels`, `schedule`, `timeline`: the compiled program read from its text, each
+  instruction's cost as XLA formed it, the schedule run as events on the device's
+  resources, and the events written as a Chrome trace or drawn as a Gantt chart;
+- `estimate`: `ox.estimate`, from the compiled program where there is one;
+- `max_batch`: `ox.max_batch`, the largest batch that fits.
 
 May import every layer below it, up to `_inspect`.
 """

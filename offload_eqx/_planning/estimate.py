@@ -1,227 +1,33 @@
 """`ox.estimate`: a step's work, transfers, memory and predicted time on a target.
 
-Three measurements and one model:
-
 - **work**, counted on the traced program (`flops.count_work`): matmul and convolution
-  FLOPs per phase (forward, backward, update), scan bodies times their length, the
-  recomputation of rematerialised regions on its own, and the bytes the other equations
-  write (the memory-bound work);
+  FLOPs per phase, scan bodies times their length, recomputation on its own;
 - **transfers**, from the audit's walk of the same program (`ox.audit`): host-to-device
-  and device-to-host bytes per phase, each with the trip count of its enclosing scan;
+  and device-to-host bytes per phase;
 - **memory**, from the compile for the target (`ox.memory_report`): device and host
   bytes, the real XLA:GPU/XLA:TPU compilers for a GPU or TPU target;
-- **time**, predicted with the target's `Speeds` (`Target.speeds`; measured for
-  `"cpu"`). The model, per phase:
-
-  - compute: each matmul takes `max(flops / (peak x efficiency), bytes / HBM bandwidth)`
-    (a roofline), every other equation `bytes written / HBM bandwidth`;
-  - link: host-to-device bytes / h2d bandwidth and device-to-host bytes / d2h
-    bandwidth, the two directions at once (PCIe is full duplex);
-  - host: work run on the host (`compute_on("device_host")`) at the host's rates;
-  - overlap: compute, both link directions and host work run concurrently (copy engines
-    and DMA), so a phase takes the longest of them, plus what cannot hide: the largest
-    single copy of each direction (one scan iteration's chunk: the first layer's fetch
-    waits for nothing to hide behind, the last layer's write-back has nothing after it);
-  - phases run one after another. Copies of arguments that are not yet where the plan
-    puts them (`phase="call"` in the audit) are not priced: they happen on the first
-    call only, after which every argument comes back in its planned memory.
-
-What the model leaves out, on purpose: collectives over a mesh (flops and bytes are
-divided evenly among the devices), kernel launch and fusion effects beyond the
-roofline, and contention between copies and compute for HBM bandwidth.
+- **time**: with `compile=True`, the compiled program's schedule simulated
+  (`schedule.simulate`: its kernels as XLA fused them, its asynchronous copies, host
+  computations and collectives run as events on their resources); with
+  `compile=False`, the jaxpr count's model (`traced_time.py`), which `ox.fit` uses to
+  order its candidates. A compiled estimate keeps the jaxpr count's answer as
+  `traced_seconds`.
 """
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from .._base.options import checks_options
 from .._base.table import format_bytes, format_table
-from .._inspect.audit import audit_traced
 from .._inspect.memory_report import compiled_report
-from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit, filter_jit
 from .._sharding.host_compute import check_host_compute
-from .._targets.calibrate import cpu_speeds
-from .._targets.targets import Speeds, Target, get_target
 from .._targets.deviceless import program_of_step
-from .flops import PhaseWork, count_work
+from .._targets.targets import Speeds, Target, get_target
 from .schedule import RESOURCES, Simulation, simulate
 from .timeline import write_timeline
-
-PHASES = ("forward", "backward", "update")
-
-
-def speeds_of(target: Target) -> Speeds:
-    """The target's `Speeds`: its datasheet figures, or this machine's, measured."""
-    if target.speeds is not None:
-        return target.speeds
-    if target.platform == "cpu":
-        return cpu_speeds()
-    raise ValueError(
-        f"Target {target.name!r} has no `speeds`, so its step time cannot be predicted. "
-        "Give it `Target(..., speeds=ox.Speeds(flops=..., efficiency=..., ...))` with the "
-        "chip's published figures (see `offload_eqx/_targets/targets.py` for the H100's)."
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseTime:
-    """Predicted seconds of one phase: each resource's busy time and the phase's total."""
-
-    compute: float
-    h2d: float
-    d2h: float
-    host: float
-    exposed: float  # copies that cannot hide behind compute
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Costs:
-    """What one trace of a step gives, before any compile: work and transfers per phase,
-    per device."""
-
-    work: Mapping[str, PhaseWork]
-    transfers: tuple[Transfer, ...]
-    devices: int
-    jaxpr: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def flops(self) -> float:
-        return sum(w.flops for w in self.work.values()) / self.devices
-
-    @property
-    def recompute_flops(self) -> float:
-        return sum(w.recompute_flops for w in self.work.values()) / self.devices
-
-    def bytes(self, direction: str, phase: str | None = None) -> float:
-        return (
-            sum(
-                t.bytes
-                for t in self.transfers
-                if t.direction == direction and (phase is None or t.phase == phase)
-            )
-            / self.devices
-        )
-
-
-def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], speeds: Speeds) -> Costs:
-    """Trace `step` once (nothing compiled): its work priced at `speeds`, its transfers."""
-    report, jaxpr = audit_traced(step, *args, **kwargs)
-    device_rate = speeds.flops * speeds.efficiency
-    work = count_work(
-        jaxpr,
-        flop_rate=device_rate,
-        byte_rate=speeds.memory_bandwidth,
-        host_flop_rate=speeds.host_flops,
-        host_byte_rate=speeds.host_bandwidth,
-    )
-    plan = step.plan(*args, **kwargs)
-    devices = 1 if plan.mesh is None else int(np.prod(list(plan.mesh.shape.values())))
-    return Costs(work, tuple(report.transfers), devices, jaxpr)
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """A step's demand on each resource per phase, per device: what the time model
-    prices. Sums add and chunks take the maximum, so that `ox.fit` can compose the load
-    of a plan from the loads of the plans that differ from it in one choice each.
-
-    `sums[phase]` holds (compute seconds, host seconds, h2d bytes, d2h bytes);
-    `chunks[phase]` the largest single copy of each direction (h2d, d2h), bytes;
-    `before` the h2d and d2h bytes copied before the program runs (first call only, not
-    priced); `flops` and
-    `recompute_flops` the counted work.
-    """
-
-    sums: np.ndarray  # (3 phases, 4)
-    chunks: np.ndarray  # (3 phases, 2)
-    before: np.ndarray  # (2,)
-    flops: float
-    recompute_flops: float
-
-    def __add__(self, delta: "Delta") -> "Load":
-        return Load(
-            np.maximum(self.sums + delta.sums, 0.0),
-            np.maximum(self.chunks, delta.chunks),
-            np.maximum(self.before + delta.before, 0.0),
-            max(self.flops + delta.flops, 0.0),
-            max(self.recompute_flops + delta.recompute_flops, 0.0),
-        )
-
-    def __sub__(self, other: "Load") -> "Delta":
-        return Delta(
-            self.sums - other.sums,
-            self.chunks,
-            self.before - other.before,
-            self.flops - other.flops,
-            self.recompute_flops - other.recompute_flops,
-        )
-
-    @property
-    def moved(self) -> float:
-        return float(self.sums[:, 2:].sum())
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """The difference one choice makes to a `Load` (its chunks are the variant's)."""
-
-    sums: np.ndarray
-    chunks: np.ndarray
-    before: np.ndarray
-    flops: float
-    recompute_flops: float
-
-    def __mul__(self, share: float) -> "Delta":
-        """The difference made in a share of the layers (a name saved in `k` of `L`)."""
-        return Delta(
-            self.sums * share,
-            self.chunks,
-            self.before * share,
-            self.flops * share,
-            self.recompute_flops * share,
-        )
-
-
-def load_of(costs: Costs) -> Load:
-    n = costs.devices
-    sums = np.zeros((len(PHASES), 4))
-    chunks = np.zeros((len(PHASES), 2))
-    for i, phase in enumerate(PHASES):
-        work = costs.work[phase]
-        sums[i, 0] = work.seconds / n
-        sums[i, 1] = work.host_seconds / n
-    before = np.zeros(2)
-    for t in costs.transfers:
-        column = 0 if t.direction == "host-to-device" else 1
-        if t.phase not in PHASES:
-            before[column] += t.bytes / n
-            continue
-        i = PHASES.index(t.phase)
-        sums[i, 2 + column] += t.bytes / n
-        chunks[i, column] = max(chunks[i, column], t.bytes / max(t.count, 1) / n)
-    return Load(sums, chunks, before, costs.flops, costs.recompute_flops)
-
-
-def predict(load: Load, speeds: Speeds) -> tuple[float, dict[str, PhaseTime]]:
-    """Predicted seconds of one step, and each phase's (the model in the module doc)."""
-    phases = {}
-    for i, phase in enumerate(PHASES):
-        compute, host, down, up = load.sums[i]
-        h2d, d2h = down / speeds.h2d_bandwidth, up / speeds.d2h_bandwidth
-        exposed = (
-            load.chunks[i, 0] / speeds.h2d_bandwidth + load.chunks[i, 1] / speeds.d2h_bandwidth
-        )
-        busy = max(compute, h2d, d2h, host)
-        seconds = busy + (exposed if busy > 0 else 0.0)
-        phases[phase] = PhaseTime(
-            float(compute), float(h2d), float(d2h), float(host), float(exposed), float(seconds)
-        )
-    return sum(p.seconds for p in phases.values()), phases
+from .traced_time import PHASES, Costs, PhaseTime, load_of, predict, speeds_of, trace_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +90,9 @@ class StepEstimate:
                 "from the trace alone (`compile=False`), so there is no schedule to draw. "
                 "Call `ox.estimate(..., compile=True)`."
             )
-        return write_timeline(self.simulation, path, f"{self.name} ({self.strategy}) on {self.target}")
+        return write_timeline(
+            self.simulation, path, f"{self.name} ({self.strategy}) on {self.target}"
+        )
 
     @property
     def fits(self) -> bool | None:
@@ -391,9 +199,9 @@ def estimate_from(
     seconds = traced
     if compile:
         name = getattr(step, "__name__", None) or type(step.fn).__name__
-        report, compiled = compiled_report(program_of_step(step, args, kwargs), target, name)
+        report, compiled = compiled_report(program_of_step(step, args, dict(kwargs)), target, name)
         device, host = report.total, report.host_total
-        simulation = simulate(compiled.as_text(), speeds, report.device.get("temp", 0))
+        simulation = simulate_compiled(compiled, report, speeds)
         seconds, phases = simulation.seconds, simulated_phases(simulation)
     return StepEstimate(
         name=getattr(step, "__name__", None) or type(step.fn).__name__,
@@ -411,6 +219,26 @@ def estimate_from(
         capacity=target.capacity,
         notes=tuple((p, w.note) for p, w in costs.work.items() if w.note),
         traced_seconds=traced,
+        simulation=simulation,
+    )
+
+
+def simulate_compiled(compiled: Any, report: Any, speeds: Speeds) -> Simulation:
+    """The schedule of a compiled program (`jax.stages.Compiled`) simulated, its
+    temporary buffer (from its memory report) first touched where that is priced."""
+    return simulate(compiled.as_text(), speeds, report.device.get("temp", 0))
+
+
+def with_simulation(estimate: StepEstimate, simulation: Simulation) -> StepEstimate:
+    """A jaxpr-count estimate answered from its compiled program instead: `seconds` and
+    `phases` simulated, the count's answer kept as `traced_seconds`."""
+    return dataclasses.replace(
+        estimate,
+        seconds=simulation.seconds,
+        phases=simulated_phases(simulation),
+        traced_seconds=estimate.seconds
+        if estimate.traced_seconds is None
+        else estimate.traced_seconds,
         simulation=simulation,
     )
 

@@ -17,7 +17,6 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterator
-from typing import Union
 
 _ITEMSIZE = {
     "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
@@ -48,7 +47,7 @@ class Array:
         return self.elements * _ITEMSIZE.get(self.dtype, 4)
 
 
-Type = Union[Array, tuple["Type", ...]]
+Type = Array | tuple["Type", ...]
 
 
 def arrays(value: Type) -> Iterator[Array]:
@@ -78,7 +77,9 @@ class Instruction:
 
     @property
     def parameter_number(self) -> int | None:
-        return int(self.argument) if self.opcode == "parameter" and self.argument.isdigit() else None
+        return (
+            int(self.argument) if self.opcode == "parameter" and self.argument.isdigit() else None
+        )
 
     def attribute(self, key: str) -> str | None:
         """The raw text of `key=...` (a quoted string without its quotes)."""
@@ -205,7 +206,14 @@ def parse_instruction(line: str) -> tuple[Instruction, bool] | None:
         for m in _NAME.finditer(inside)
     )
     calls: list[str] = []
-    for key in ("calls", "to_apply", "body", "condition", "branch_computations"):
+    for key in (
+        "calls",
+        "to_apply",
+        "body",
+        "condition",
+        "branch_computations",
+        "called_computations",
+    ):
         found = re.search(rf"\b{key}=(\{{[^}}]*\}}|%[\w.\-]+)", attributes)
         if found:
             calls += [m.group(1) for m in _NAME.finditer(found.group(1))]
@@ -228,9 +236,11 @@ def parse_module(text: str) -> Module:
             if header:
                 current = (header.group(2), bool(header.group(1)), [], [])
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):  # `}` or `}, execution_thread="host"`
             name, is_entry, instructions, roots = current
-            computations[name] = Computation(name, instructions, is_entry, roots[0] if roots else "")
+            computations[name] = Computation(
+                name, instructions, is_entry, roots[0] if roots else ""
+            )
             entry = name if is_entry else entry
             current = None
             continue

@@ -50,6 +50,28 @@ class Work:
         )
 
 
+def group_size(instruction: Instruction) -> int:
+    """The devices in each replica group of a collective: `{{0,1,2,3}}`, the iota form
+    `[2,4]<=[8]` (2 groups of 4), or the mesh form `mesh['x'=2,'y'=4] {'y'}`."""
+    text = (
+        instruction.attributes.split("replica_groups=", 1)[-1]
+        if "replica_groups=" in instruction.attributes
+        else ""
+    )
+    if text.startswith("{"):
+        first = re.match(r"\{\{([\d,\s]*)\}", text)
+        return len(first.group(1).split(",")) if first and first.group(1).strip() else 1
+    if text.startswith("["):
+        iota = re.match(r"\[(\d+),(\d+)\]", text)
+        return int(iota.group(2)) if iota else 1
+    if text.startswith("mesh"):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", text.split("]", 1)[0]))
+        named = re.match(r"mesh\[[^\]]*\]\s*\{([^}]*)\}", text)
+        axes = re.findall(r"'([^']+)'", named.group(1)) if named else list(sizes)
+        return math.prod(int(sizes.get(a, 1)) for a in axes)
+    return 1
+
+
 def _dims(text: str | None) -> tuple[int, ...]:
     return tuple(int(d) for d in re.findall(r"\d+", text or ""))
 
@@ -64,7 +86,11 @@ def dot_flops(module: Module, computation: Computation, instruction: Instruction
     lhs = _first(module.operand_type(computation, instruction.operands[0]))
     if result is None or lhs is None:
         return 0.0
-    contracted = math.prod(lhs.dims[d] for d in _dims(instruction.attribute("lhs_contracting_dims")) if d < len(lhs.dims))
+    contracted = math.prod(
+        lhs.dims[d]
+        for d in _dims(instruction.attribute("lhs_contracting_dims"))
+        if d < len(lhs.dims)
+    )
     return 2.0 * result.elements * contracted
 
 
@@ -78,7 +104,9 @@ def convolution_flops(module: Module, computation: Computation, instruction: Ins
     labels = instruction.attribute("dim_labels") or ""
     kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
     out_feature = kernel_labels.find("o")
-    per_output = kernel.elements / (kernel.dims[out_feature] if 0 <= out_feature < len(kernel.dims) else 1)
+    per_output = kernel.elements / (
+        kernel.dims[out_feature] if 0 <= out_feature < len(kernel.dims) else 1
+    )
     return 2.0 * result.elements * per_output
 
 
@@ -111,7 +139,10 @@ def own_flops(module: Module, computation: Computation, instruction: Instruction
         return dot_flops(module, computation, instruction)
     if instruction.opcode == "convolution":
         return convolution_flops(module, computation, instruction)
-    if instruction.opcode == "custom-call" and "gemm" in (instruction.attribute("custom_call_target") or "").lower():
+    if (
+        instruction.opcode == "custom-call"
+        and "gemm" in (instruction.attribute("custom_call_target") or "").lower()
+    ):
         return _gemm_flops(module, computation, instruction)
     return 0.0
 
@@ -146,9 +177,15 @@ def _read_bytes(computation: Computation, parameter: Instruction, users: dict) -
 def _written(computation: Computation, instruction: Instruction) -> list[tuple[float, bool]]:
     """(bytes written, in host memory) for each array a fused root writes."""
     if instruction.opcode == "tuple":
-        return [w for name, _ in instruction.operands for w in _written(computation, computation.by_name[name])]
+        return [
+            w
+            for name, _ in instruction.operands
+            for w in _written(computation, computation.by_name[name])
+        ]
     if instruction.opcode in _IN_PLACE and len(instruction.operands) > 1:
-        update = computation.by_name.get(instruction.operands[1 if instruction.opcode == "dynamic-update-slice" else 2][0])
+        update = computation.by_name.get(
+            instruction.operands[1 if instruction.opcode == "dynamic-update-slice" else 2][0]
+        )
         host = any(a.host for a in arrays(instruction.type))
         return [(float(nbytes(update.type)) if update else 0.0, host)]
     if instruction.opcode == "bitcast" and instruction.operands:
@@ -179,7 +216,11 @@ def fusion_work(module: Module, computation: Computation, instruction: Instructi
             host_read += read
         else:
             device += read
-    root_writes = _written(fused, fused.root) if fused is not None else [(float(a.bytes), a.host) for a in arrays(instruction.type)]
+    root_writes = (
+        _written(fused, fused.root)
+        if fused is not None
+        else [(float(a.bytes), a.host) for a in arrays(instruction.type)]
+    )
     for written, host in root_writes:
         if host:
             host_write += written
@@ -188,7 +229,9 @@ def fusion_work(module: Module, computation: Computation, instruction: Instructi
     return Work(flops, device, host_read, host_write)
 
 
-def _moved(module: Module, computation: Computation, instruction: Instruction, flops: float) -> Work:
+def _moved(
+    module: Module, computation: Computation, instruction: Instruction, flops: float
+) -> Work:
     """Work that reads every operand whole and writes every result."""
     device = host_read = host_write = 0.0
     for operand in instruction.operands:
@@ -205,19 +248,41 @@ def _moved(module: Module, computation: Computation, instruction: Instruction, f
     return Work(flops, device, host_read, host_write)
 
 
+# Custom calls that only reserve or name memory.
+FREE_CALLS = frozenset(
+    {"AllocateBuffer", "annotate_device_placement", "MoveToHost", "MoveToDevice"}
+)
+
+
+def is_free(instruction: Instruction) -> bool:
+    """Whether an instruction runs no kernel."""
+    if instruction.opcode in FREE:
+        return True
+    return (
+        instruction.opcode == "custom-call"
+        and instruction.attribute("custom_call_target") in FREE_CALLS
+    )
+
+
 def instruction_work(module: Module, computation: Computation, instruction: Instruction) -> Work:
-    """The work of one synchronous instruction run as a kernel (`FREE` ones do none)."""
+    """The work of one synchronous instruction run as a kernel (`is_free` ones do none)."""
     opcode = instruction.opcode
-    if opcode in FREE:
+    if is_free(instruction):
         return Work()
     if opcode == "fusion":
         return fusion_work(module, computation, instruction)
     if opcode in _SLICING or opcode in _IN_PLACE:
         # A slice reads what it returns; an in-place update reads and writes the update.
-        piece = instruction.type if opcode in _SLICING else module.operand_type(
-            computation, instruction.operands[1 if opcode == "dynamic-update-slice" else -1]
+        piece = (
+            instruction.type
+            if opcode in _SLICING
+            else module.operand_type(
+                computation, instruction.operands[1 if opcode == "dynamic-update-slice" else -1]
+            )
         )
-        host_in = any(a.host for a in arrays(module.operand_type(computation, instruction.operands[0])))
+        host_in = any(
+            a.host for a in arrays(module.operand_type(computation, instruction.operands[0]))
+        )
         host_out = any(a.host for a in arrays(instruction.type))
         size = float(nbytes(piece))
         return Work(

@@ -26,15 +26,22 @@ is idle. Each event is labelled with its phase (forward, backward, update) by it
 """
 
 import dataclasses
-import re
 from typing import Any
 
 from .._base.primitives import phase_of
 from .._targets.targets import Speeds
 from .hlo import Computation, Instruction, Module, arrays, nbytes, parse_module
-from .kernels import COLLECTIVES, FREE, Work, fusion_work, inner_flops, instruction_work
+from .kernels import (
+    COLLECTIVES,
+    Work,
+    fusion_work,
+    group_size,
+    inner_flops,
+    instruction_work,
+    is_free,
+)
 
-RESOURCES = ("compute", "h2d", "d2h", "host", "network")
+RESOURCES: tuple[str, ...] = ("compute", "h2d", "d2h", "host", "network")
 # Iterations of one loop simulated event by event; the rest repeat the last one's time.
 EXPLICIT_TRIPS = 64
 _EVENT_LIMIT = 200_000
@@ -81,9 +88,9 @@ class _Simulator:
     def __init__(self, module: Module, speeds: Speeds) -> None:
         self.module, self.speeds = module, speeds
         self.clock = 0.0  # the compute stream
-        self.free = dict.fromkeys(RESOURCES, 0.0)
-        self.busy = dict.fromkeys(RESOURCES, 0.0)
-        self.waited = dict.fromkeys(RESOURCES, 0.0)
+        self.free: dict[str, float] = dict.fromkeys(RESOURCES, 0.0)
+        self.busy: dict[str, float] = dict.fromkeys(RESOURCES, 0.0)
+        self.waited: dict[str, float] = dict.fromkeys(RESOURCES, 0.0)
         self.phase_seconds: dict[str, float] = {}
         self.phase_busy: dict[str, dict[str, float]] = {}
         self.pending: dict[str, tuple[str, float]] = {}  # start name -> (resource, end)
@@ -101,7 +108,10 @@ class _Simulator:
     def kernel_seconds(self, work: Work, host: bool = False) -> float:
         s = self.speeds
         if host:
-            return max(work.flops / s.host_flops, (work.device_bytes + work.host_read + work.host_write) / s.host_bandwidth)
+            return max(
+                work.flops / s.host_flops,
+                (work.device_bytes + work.host_read + work.host_write) / s.host_bandwidth,
+            )
         return s.kernel_launch + max(
             work.flops / (s.flops * s.efficiency),
             work.device_bytes / s.memory_bandwidth,
@@ -109,41 +119,40 @@ class _Simulator:
             work.host_write / s.d2h_bandwidth,
         )
 
-    def host_seconds(self, name: str, seen: frozenset = frozenset()) -> float:
-        """A host computation: every instruction of computation `name` at host rates."""
+    def host_seconds(self, name: str) -> float:
+        """A host computation, as XLA:CPU compiles it (its elementwise work fused into
+        loops): one pass over what it reads and writes at the host's bandwidth, or its
+        dots at the host's FLOP rate, whichever is longer."""
         computation = self.module.computations.get(name)
-        if computation is None or name in seen:
+        if computation is None:
             return 0.0
-        total = 0.0
-        for instruction in computation.instructions:
-            if instruction.opcode == "while":
-                trips = instruction.trip_count or 1
-                total += trips * sum(self.host_seconds(c, seen | {name}) for c in instruction.calls)
-            elif instruction.opcode in ("call", "conditional") or (instruction.calls and instruction.opcode != "fusion"):
-                total += sum(self.host_seconds(c, seen | {name}) for c in instruction.calls)
-            elif instruction.opcode not in FREE:
-                work = instruction_work(self.module, computation, instruction)
-                total += self.kernel_seconds(work, host=True)
-        return total
+        moved = sum(nbytes(i.type) for i in computation.instructions if i.opcode == "parameter")
+        moved += nbytes(computation.root.type)
+        flops = inner_flops(self.module, name)
+        return max(flops / self.speeds.host_flops, moved / self.speeds.host_bandwidth)
 
-    def collective_seconds(self, opcode: str, instruction: Instruction, computation: Computation) -> float:
-        groups = re.findall(r"\{([\d,\s]+)\}", instruction.attribute("replica_groups") or "")
-        n = max((len(g.split(",")) for g in groups), default=0)
-        if n == 0:
-            iota = re.search(r"\[(\d+),(\d+)\]<=", instruction.attribute("replica_groups") or "")
-            n = int(iota.group(2)) if iota else 1
+    def collective_seconds(
+        self, opcode: str, instruction: Instruction, computation: Computation
+    ) -> float:
+        n = group_size(instruction)
         if opcode == "collective-permute":
             n = 2
         out = float(nbytes(instruction.type))
-        operand = float(sum(nbytes(self.module.operand_type(computation, o)) for o in instruction.operands))
+        operand = float(
+            sum(nbytes(self.module.operand_type(computation, o)) for o in instruction.operands)
+        )
         size = max(out, operand)
         if n <= 1:
             return 0.0
         bandwidth = self.speeds.interconnect_bandwidth
         if not bandwidth:
-            self.note("collectives are not priced: the target's Speeds has no interconnect_bandwidth")
+            self.note(
+                "collectives are not priced: the target's Speeds has no interconnect_bandwidth"
+            )
             return 0.0
-        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(opcode, (n - 1) / n)
+        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(
+            opcode, (n - 1) / n
+        )
         return self.speeds.kernel_launch + factor * size / bandwidth
 
     def note(self, text: str) -> None:
@@ -158,15 +167,37 @@ class _Simulator:
         self.seen_backward = self.seen_backward or found == "backward"
         return found
 
-    def record(self, resource: str, instruction: Instruction, start: float, end: float, phase: str, work: Work | None = None) -> None:
+    def record(
+        self,
+        resource: str,
+        instruction: Instruction,
+        start: float,
+        end: float,
+        phase: str,
+        work: Work | None = None,
+    ) -> None:
         self.busy[resource] += end - start
         self.phase_busy.setdefault(phase, dict.fromkeys(RESOURCES, 0.0))[resource] += end - start
-        self.by_instruction.setdefault(instruction.name, [instruction.op_name, resource, 0.0])[2] += end - start
+        self.by_instruction.setdefault(instruction.name, [instruction.op_name, resource, 0.0])[
+            2
+        ] += end - start
         if len(self.events) < _EVENT_LIMIT:
             w = work or Work()
+            # A copy engine's bytes are those it moves; a kernel's all it reads and writes.
+            moved = {"h2d": w.host_read, "d2h": w.host_write}.get(
+                resource, w.device_bytes + w.host_read + w.host_write
+            )
             self.events.append(
-                Event(resource, instruction.name, start, end, phase, instruction.op_name, w.flops,
-                      w.device_bytes + w.host_read + w.host_write)
+                Event(
+                    resource,
+                    instruction.name,
+                    start,
+                    end,
+                    phase,
+                    instruction.op_name,
+                    w.flops,
+                    moved,
+                )
             )
         else:
             self.truncated = True
@@ -182,7 +213,7 @@ class _Simulator:
 
     def step(self, computation: Computation, instruction: Instruction) -> None:
         opcode = instruction.opcode
-        if opcode in FREE:
+        if is_free(instruction):
             return
         if opcode == "while":
             return self.loop(instruction)
@@ -216,7 +247,10 @@ class _Simulator:
         self.flops += work.flops
         self.kernels += 1
         self.record("compute", instruction, start, self.clock, phase, work)
-        for resource, moved, rate in (("h2d", work.host_read, self.speeds.h2d_bandwidth), ("d2h", work.host_write, self.speeds.d2h_bandwidth)):
+        for resource, moved, rate in (
+            ("h2d", work.host_read, self.speeds.h2d_bandwidth),
+            ("d2h", work.host_write, self.speeds.d2h_bandwidth),
+        ):
             if moved:  # a kernel reading or writing host memory holds the link while it runs
                 self.free[resource] = max(self.free[resource], start) + moved / rate
                 self.busy[resource] += moved / rate
@@ -266,7 +300,9 @@ class _Simulator:
             self.busy[resource] += (self.busy[resource] - before["busy"][resource]) * times
             self.waited[resource] += (self.waited[resource] - before["waited"][resource]) * times
         for phase, seconds in list(self.phase_seconds.items()):
-            self.phase_seconds[phase] = seconds + (seconds - before["phase_seconds"].get(phase, 0.0)) * times
+            self.phase_seconds[phase] = (
+                seconds + (seconds - before["phase_seconds"].get(phase, 0.0)) * times
+            )
         for phase, busy in self.phase_busy.items():
             old = before["phase_busy"].get(phase, {})
             for resource in RESOURCES:
@@ -288,7 +324,9 @@ class _Simulator:
 
     # -- asynchronous work --------------------------------------------------------------
 
-    def async_work(self, computation: Computation, instruction: Instruction) -> tuple[str, float, Work]:
+    def async_work(
+        self, computation: Computation, instruction: Instruction
+    ) -> tuple[str, float, Work]:
         """(resource, seconds, work) of an asynchronous start."""
         opcode = instruction.opcode.removesuffix("-start")
         target = instruction.attribute("custom_call_target") or ""
@@ -298,24 +336,35 @@ class _Simulator:
             opcode, target = inner.opcode, inner.attribute("custom_call_target") or target
             if inner.opcode.removesuffix("-start") in COLLECTIVES:
                 return "network", self.collective_seconds(inner.opcode, inner, wrapped), Work()
-        on_host = "host" in (instruction.attribute("async_execution_thread") or "") or "HostExecute" in target or "host" in target.lower()
+        on_host = (
+            "host" in (instruction.attribute("async_execution_thread") or "")
+            or "HostExecute" in target
+            or "host" in target.lower()
+        )
         if on_host:
-            called = wrapped.root.calls if wrapped is not None and opcode != "custom-call" else instruction.calls
-            seconds = sum(self.host_seconds(c) for c in called)
-            if not seconds and wrapped is not None:
-                seconds = sum(self.host_seconds(c) for i in wrapped.instructions for c in i.calls)
-            return "host", seconds, Work()
+            inner = (
+                wrapped.root
+                if wrapped is not None and instruction.opcode == "async-start"
+                else instruction
+            )
+            return "host", sum(self.host_seconds(c) for c in inner.calls), Work()
         if opcode in COLLECTIVES:
             return "network", self.collective_seconds(opcode, instruction, computation), Work()
         if instruction.opcode == "async-start" and wrapped is not None:
             return self.link_work(instruction_work(self.module, wrapped, wrapped.root))
         return self.link_work(self.copy_or_fusion(computation, instruction, opcode))
 
-    def copy_or_fusion(self, computation: Computation, instruction: Instruction, opcode: str) -> Work:
+    def copy_or_fusion(
+        self, computation: Computation, instruction: Instruction, opcode: str
+    ) -> Work:
         """The work of a `copy-start` (or a `fusion-start` in its short form)."""
         if opcode == "copy":
             source = self.module.operand_type(computation, instruction.operands[0])
-            result = instruction.type[0] if isinstance(instruction.type, tuple) and instruction.type else instruction.type
+            result = (
+                instruction.type[0]
+                if isinstance(instruction.type, tuple) and instruction.type
+                else instruction.type
+            )
             size = float(nbytes(source))
             src_host = any(a.host for a in arrays(source))
             dst_host = any(a.host for a in arrays(result))
@@ -350,7 +399,11 @@ class _Simulator:
         self.pending[instruction.name] = (resource, end)
 
     def done(self, instruction: Instruction, own: bool = False) -> None:
-        name = instruction.name if own else (instruction.operands[0][0] if instruction.operands else "")
+        name = (
+            instruction.name
+            if own
+            else (instruction.operands[0][0] if instruction.operands else "")
+        )
         resource, end = self.pending.pop(name, ("compute", self.clock))
         if end > self.clock:
             phase = self.phase(instruction)
@@ -383,7 +436,7 @@ def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0)
     (`memory_analysis().temp_size_in_bytes`), is first written at the target's
     `first_touch_bandwidth` before the first kernel, where that is priced.
     """
-    if hasattr(program, "as_text") and not isinstance(program, str):
+    if not isinstance(program, (str, Module)):
         program = program.as_text()
     module = program if isinstance(program, Module) else parse_module(program)
     simulator = _Simulator(module, speeds)

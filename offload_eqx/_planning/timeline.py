@@ -22,8 +22,18 @@ def trace_events(simulation: Simulation, title: str) -> dict[str, Any]:
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": title}},
     ]
     for tid, resource in enumerate(RESOURCES, start=1):
-        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": resource}})
-        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+        events.append(
+            {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": resource}}
+        )
+        events.append(
+            {
+                "ph": "M",
+                "pid": 1,
+                "tid": tid,
+                "name": "thread_sort_index",
+                "args": {"sort_index": tid},
+            }
+        )
     tids = {resource: tid for tid, resource in enumerate(RESOURCES, start=1)}
     for event in simulation.events:
         events.append(
@@ -35,7 +45,12 @@ def trace_events(simulation: Simulation, title: str) -> dict[str, Any]:
                 "cat": event.phase,
                 "ts": event.start * 1e6,
                 "dur": max(event.end - event.start, 0.0) * 1e6,
-                "args": {"op_name": event.op_name, "phase": event.phase, "flops": event.flops, "bytes": event.bytes},
+                "args": {
+                    "op_name": event.op_name,
+                    "phase": event.phase,
+                    "flops": event.flops,
+                    "bytes": event.bytes,
+                },
             }
         )
     return {
@@ -75,11 +90,20 @@ def plot_timeline(simulation: Simulation, ax: Any = None, title: str = "") -> An
         _, ax = plt.subplots(figsize=(10, 2.6))
     rows = [r for r in RESOURCES if simulation.busy.get(r)]
     for row, resource in enumerate(rows):
-        spans = [(e.start * 1e3, (e.end - e.start) * 1e3, e.phase) for e in simulation.events if e.resource == resource]
+        spans = [
+            (e.start * 1e3, (e.end - e.start) * 1e3, e.phase)
+            for e in simulation.events
+            if e.resource == resource
+        ]
         for phase, colour in _PHASE_COLOURS.items():
             mine = [(s, d) for s, d, p in spans if p == phase]
             if mine:
-                ax.broken_barh(mine, (row - 0.4, 0.8), facecolors=colour, label=phase if row == 0 or resource == rows[0] else None)
+                ax.broken_barh(
+                    mine,
+                    (row - 0.4, 0.8),
+                    facecolors=colour,
+                    label=phase if row == 0 or resource == rows[0] else None,
+                )
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start")

@@ -41,8 +41,10 @@ from .memory_space import is_host_typed, labelled, to_host
 try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
     # jaxpr, and the context that marks equations traced inside it (`compute_on` itself is
     # a context manager in jax 0.10 and a function transform from 0.11; this is not).
-    from jax._src.compute_on import compute_on_p as _COMPUTE_ON
-    from jax._src.compute_on import extend_compute_type as _host_context
+    from jax._src.compute_on import (
+        compute_on_p as _COMPUTE_ON,
+        extend_compute_type as _host_context,
+    )
 except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
     _COMPUTE_ON = _host_context = None
 
@@ -142,7 +144,7 @@ def on_host(
     host memory first, explicitly, flattened to one dimension when `flatten`); other
     leaves are constants of the computation.
     """
-    if _COMPUTE_ON is None:  # pragma: no cover
+    if _COMPUTE_ON is None or _host_context is None:  # pragma: no cover
         raise NotImplementedError(
             f"offload_eqx's host computation needs `jax._src.compute_on.compute_on_p`, "
             f"which jax {jax.__version__} does not have; use jax 0.10.2 or update the "

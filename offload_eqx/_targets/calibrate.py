@@ -27,6 +27,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,7 @@ def cpu_speeds() -> Speeds:
     return _with_overheads(flops, memory_bandwidth, h2d, d2h, cpu)
 
 
-def _launch_seconds(cpu: jax.Device) -> float:
+def _launch_seconds(cpu: Any) -> float:
     def chain(a: jax.Array, w: jax.Array) -> jax.Array:
         for _ in range(LAUNCHES):
             a = a @ w  # a dot is never fused with the next: one kernel each
@@ -89,13 +90,15 @@ def _launch_seconds(cpu: jax.Device) -> float:
     return _best_seconds(lambda: run(a, w)) / LAUNCHES
 
 
-def _first_touch_bandwidth(cpu: jax.Device) -> float:
+def _first_touch_bandwidth(cpu: Any) -> float:
     fill = jax.jit(lambda v: jnp.broadcast_to(v, (FRESH,)))
     v = jax.device_put(jnp.float32(1.0), cpu)
     return 4 * FRESH / _best_seconds(lambda: fill(v))
 
 
-def _with_overheads(flops: float, memory_bandwidth: float, h2d: float, d2h: float, cpu: jax.Device) -> Speeds:
+def _with_overheads(
+    flops: float, memory_bandwidth: float, h2d: float, d2h: float, cpu: Any
+) -> Speeds:
     return Speeds(
         flops=flops,
         efficiency=1.0,

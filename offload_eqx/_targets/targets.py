@@ -143,7 +143,9 @@ _MAY_BE_ZERO = ("kernel_launch", "interconnect_bandwidth", "first_touch_bandwidt
 
 
 def _positive_or_zero(value: object) -> bool:
-    return _positive(value) or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+    return _positive(value) or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+    )
 
 
 def _positive(value: object) -> bool:

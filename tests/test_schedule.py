@@ -1,0 +1,340 @@
+"""The compiled-program simulation (`offload_eqx/_planning/{hlo,kernels,schedule}.py`):
+small modules whose schedule is worked out by hand, then modules XLA compiled.
+
+The hand-written modules use the syntax of `compiled.as_text()` for an H100 (tuple
+results, `S(5)` host layouts, `known_trip_count`, `async-start` wrapping a computation).
+"""
+
+import dataclasses
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import offload_eqx as ox
+from offload_eqx import Speeds
+from offload_eqx._planning.hlo import parse_module
+from offload_eqx._planning.kernels import instruction_work
+from offload_eqx._planning.schedule import simulate
+from offload_eqx._planning.timeline import trace_events, write_timeline
+
+MIB2 = 1024 * 1024 * 2  # one bf16[1024,1024]
+GEMM_FLOPS = 2 * 1024**3
+
+# Round rates, so that every time below is worked out by hand: 1 TFLOP/s, 1 TB/s HBM,
+# a 1 GB/s link each way.
+SPEEDS = Speeds(
+    flops=1e12,
+    efficiency=1.0,
+    memory_bandwidth=1e12,
+    h2d_bandwidth=1e9,
+    d2h_bandwidth=1e9,
+    host_flops=1e10,
+    host_bandwidth=1e9,
+    host_memory=2**34,
+    interconnect_bandwidth=1e9,
+)
+
+DOT = """
+%fused_dot (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
+}
+"""
+
+PREFETCH = (
+    "HloModule prefetch, is_scheduled=true\n"
+    + DOT
+    + """
+ENTRY %main (a: bf16[1024,1024], w: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %w = bf16[1024,1024]{1,0:S(5)} parameter(1)
+  %copy-start = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0:S(5)}, u32[]) copy-start(%w)
+  %gemm.1 = bf16[1024,1024]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %copy-done = bf16[1024,1024]{1,0} copy-done(%copy-start)
+  ROOT %gemm.2 = bf16[1024,1024]{1,0} fusion(%gemm.1, %copy-done), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+}
+"""
+)
+
+
+def test_a_prefetch_hides_behind_the_kernel_before_its_done():
+    sim = simulate(PREFETCH, SPEEDS)
+    gemm = GEMM_FLOPS / 1e12  # 2.147 ms each; their 6 MiB of HBM traffic takes 6 us
+    copy = MIB2 / 1e9  # 2.097 ms: shorter than the first gemm, so nothing is exposed
+    assert sim.busy["h2d"] == pytest.approx(copy)
+    assert sim.busy["compute"] == pytest.approx(2 * gemm)
+    assert sim.seconds == pytest.approx(2 * gemm)
+    assert sim.waited == {}
+    assert sim.flops == 2 * GEMM_FLOPS
+    assert [(e.resource, e.name, e.phase) for e in sim.events] == [
+        ("h2d", "copy-start", "forward"),
+        ("compute", "gemm.1", "forward"),
+        ("compute", "gemm.2", "backward"),
+    ]
+    # A slower link: the done waits for the copy, and the wait is exposed.
+    slow = simulate(PREFETCH, dataclasses.replace(SPEEDS, h2d_bandwidth=0.5e9))
+    assert slow.waited["h2d"] == pytest.approx(2 * copy - gemm)
+    assert slow.seconds == pytest.approx(2 * copy + gemm)
+
+
+def test_kernel_launch_is_added_to_every_kernel_and_copy():
+    launch = 1e-5
+    sim = simulate(PREFETCH, dataclasses.replace(SPEEDS, kernel_launch=launch))
+    assert sim.busy["compute"] == pytest.approx(2 * (GEMM_FLOPS / 1e12 + launch))
+    assert sim.busy["h2d"] == pytest.approx(MIB2 / 1e9 + launch)
+    assert sim.kernels == 2
+
+
+LOOP = """HloModule loop, is_scheduled=true
+
+%async_computation (param_0: bf16[4,1024,1024], param_1: s32[]) -> bf16[1,1024,1024] {
+  %param_0 = bf16[4,1024,1024]{2,1,0:S(5)} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,1024,1024}
+}
+
+%fused_scale (q0: bf16[1,1024,1024]) -> bf16[1,1024,1024] {
+  %q0 = bf16[1,1024,1024]{2,1,0} parameter(0)
+  ROOT %neg = bf16[1,1024,1024]{2,1,0} negate(%q0)
+}
+
+%body (state: (s32[], bf16[4,1024,1024], bf16[1,1024,1024])) -> (s32[], bf16[4,1024,1024], bf16[1,1024,1024]) {
+  %state = (s32[], bf16[4,1024,1024]{2,1,0:S(5)}, bf16[1,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %stack = bf16[4,1024,1024]{2,1,0:S(5)} get-tuple-element(%state), index=1
+  %fetch-start = ((bf16[4,1024,1024]{2,1,0:S(5)}, s32[]), bf16[1,1024,1024]{2,1,0}, u32[]) async-start(%stack, %i), calls=%async_computation, metadata={op_name="jit(step)/jvp()/while/body/dynamic_slice"}
+  %fetch-done = bf16[1,1024,1024]{2,1,0} async-done(%fetch-start)
+  %use = bf16[1,1024,1024]{2,1,0} fusion(%fetch-done), kind=kLoop, calls=%fused_scale
+  ROOT %next = (s32[], bf16[4,1024,1024]{2,1,0:S(5)}, bf16[1,1024,1024]{2,1,0}) tuple(%i, %stack, %use)
+}
+
+%cond (state.1: (s32[], bf16[4,1024,1024], bf16[1,1024,1024])) -> pred[] {
+  %state.1 = (s32[], bf16[4,1024,1024]{2,1,0:S(5)}, bf16[1,1024,1024]{2,1,0}) parameter(0)
+  ROOT %true = pred[] constant(true)
+}
+
+ENTRY %main (s: (s32[], bf16[4,1024,1024], bf16[1,1024,1024])) -> (s32[], bf16[4,1024,1024], bf16[1,1024,1024]) {
+  %s = (s32[], bf16[4,1024,1024]{2,1,0:S(5)}, bf16[1,1024,1024]{2,1,0}) parameter(0)
+  ROOT %while = (s32[], bf16[4,1024,1024]{2,1,0:S(5)}, bf16[1,1024,1024]{2,1,0}) while(%s), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_loop_fetches_one_slice_of_a_host_stack_per_trip():
+    module = parse_module(LOOP)
+    assert module.computations["main"].root.trip_count == 4
+    sim = simulate(LOOP, SPEEDS)
+    # Each trip reads one 2 MiB layer over the link (not the 8 MiB stack), then a
+    # negate reads and writes 2 MiB of HBM; the done waits for the whole fetch.
+    fetch, negate = MIB2 / 1e9, 2 * MIB2 / 1e12
+    assert sim.busy["h2d"] == pytest.approx(4 * fetch)
+    assert sim.busy["compute"] == pytest.approx(4 * negate)
+    assert sim.waited["h2d"] == pytest.approx(4 * fetch)
+    assert sim.seconds == pytest.approx(4 * (fetch + negate))
+    assert sim.kernels == 4
+
+
+def test_unknown_trip_counts_and_long_loops():
+    unknown = LOOP.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+    sim = simulate(unknown, SPEEDS)
+    assert sim.kernels == 1 and any("trip count" in note for note in sim.notes)
+    # Beyond the trips simulated event by event, the last trip's time is repeated.
+    long = LOOP.replace('"n":"4"', '"n":"1000"')
+    sim = simulate(long, SPEEDS)
+    assert sim.kernels == 1000 and sim.truncated
+    assert sim.seconds == pytest.approx(1000 * (MIB2 / 1e9 + 2 * MIB2 / 1e12))
+
+
+ALL_REDUCE = """HloModule collective, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+ENTRY %main (g: f32[1048576]) -> f32[1048576] {
+  %g = f32[1048576]{0} parameter(0)
+  %ar-start = f32[1048576]{0} all-reduce-start(%g), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %other = f32[1048576]{0} negate(%g)
+  %ar-done = f32[1048576]{0} all-reduce-done(%ar-start)
+  ROOT %out = f32[1048576]{0} add(%ar-done, %other)
+}
+"""
+
+
+def test_an_all_reduce_over_eight_devices_is_a_ring():
+    sim = simulate(ALL_REDUCE, SPEEDS)
+    ring = 2 * 7 / 8 * 4 * 2**20 / 1e9  # 2 (n-1)/n x 4 MiB at 1 GB/s
+    negate, add = 8 * 2**20 / 1e12, 12 * 2**20 / 1e12
+    assert sim.busy["network"] == pytest.approx(ring)
+    assert sim.waited["network"] == pytest.approx(ring - negate)
+    assert sim.seconds == pytest.approx(ring + add)
+    no_link = simulate(ALL_REDUCE, dataclasses.replace(SPEEDS, interconnect_bandwidth=0.0))
+    assert no_link.busy["network"] == 0 and any("interconnect" in n for n in no_link.notes)
+
+
+def test_kernels_read_slices_and_write_updates_in_place():
+    module = parse_module(LOOP)
+    body = module.computations["body"]
+    wrapped = module.computations["async_computation"]
+    # The dynamic slice of the host stack reads one layer over the link, writes it on the device.
+    fetch = instruction_work(module, wrapped, wrapped.root)
+    assert (fetch.host_read, fetch.device_bytes) == (MIB2, MIB2)
+    use = instruction_work(module, body, body.by_name["use"])
+    assert (use.device_bytes, use.host_read, use.flops) == (2 * MIB2, 0, 0)
+    gemm = parse_module(PREFETCH)
+    main = gemm.entry_computation
+    work = instruction_work(gemm, main, main.by_name["gemm.1"])
+    assert (work.flops, work.device_bytes) == (GEMM_FLOPS, 3 * MIB2)
+
+
+def test_text_that_is_not_a_module_is_refused():
+    with pytest.raises(ValueError, match="no ENTRY computation.*as_text"):
+        parse_module("HloModule nothing\n")
+
+
+def test_the_timeline_is_chrome_trace_json(tmp_path):
+    sim = simulate(PREFETCH, SPEEDS)
+    doc = trace_events(sim, "prefetch")
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"compute", "h2d", "d2h", "host", "network"}
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], round(e["ts"], 3), round(e["dur"], 3)) for e in slices] == [
+        ("copy-start", 0.0, round(MIB2 / 1e9 * 1e6, 3)),
+        ("gemm.1", 0.0, round(GEMM_FLOPS / 1e12 * 1e6, 3)),
+        ("gemm.2", round(GEMM_FLOPS / 1e12 * 1e6, 3), round(GEMM_FLOPS / 1e12 * 1e6, 3)),
+    ]
+    path = write_timeline(sim, str(tmp_path / "step.json"), "prefetch")
+    assert json.load(open(path))["otherData"]["step_seconds"] == pytest.approx(sim.seconds)
+
+
+# -- modules XLA compiled for an H100, without the hardware ------------------------------
+
+
+def _h100():
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
+
+
+class _Square(eqx.Module):
+    w: jax.Array = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(ox.name(x, "x") @ self.w)
+
+
+class _Stack(eqx.Module):
+    layers: _Square
+    activations: ox.Activations = ox.activations(x="remat")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def _stack_step(strategy):
+    model = eqx.filter_eval_shape(lambda: _Stack(_Square(jnp.zeros((4, 512, 512)))))
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    opt = ox.offload_optimizer(optax.adam(1e-3))
+    state = eqx.filter_eval_shape(opt.init, model)
+
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    return ox.filter_jit(step, strategy=strategy), (model, state, x)
+
+
+def _overlaps(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+@pytest.mark.deviceless
+def test_h100_layer_fetches_inside_the_scan_overlap_compute():
+    _h100()
+    step, args = _stack_step("hybrid")
+    estimate = ox.estimate(step, *args, target="h100")
+    sim = estimate.simulation
+    assert estimate.model == "compiled" and estimate.traced_seconds is not None
+    fetches = [e for e in sim.events if e.resource == "h2d" and "while/body" in e.op_name]
+    kernels = [e for e in sim.events if e.resource == "compute"]
+    # Inside the scan, one layer of 1 MiB per fetch (not the 4 MiB stack), each trip;
+    # the update (adam's state in host memory, not streamed) copies whole stacks.
+    assert len(fetches) % 4 == 0 and all(e.bytes <= 512 * 512 * 4 for e in fetches)
+    whole = [e for e in sim.events if e.resource == "h2d" and e.bytes == 4 * 512 * 512 * 4]
+    assert len(whole) == 4  # the weights, both moments and the step's own weights copy
+    # XLA placed each fetch's done right after its start, before the layer's matmul:
+    # nothing hides a fetch, and the stream waits for every one of them.
+    assert not any(_overlaps(f, k) for f in fetches for k in kernels)
+    # The backward pass writes each layer's residual gradient back to host memory
+    # (`dynamic-update-slice-start`) while the next matmul runs.
+    writes = [
+        e
+        for e in sim.events
+        if e.resource == "d2h" and "while/body" in e.op_name and e.phase == "backward"
+    ]
+    assert len(writes) == 4 and all(any(_overlaps(w, k) for k in kernels) for w in writes)
+    assert sim.seconds < sum(sim.busy.values())
+    # The FLOPs of the compiled program are the jaxpr's (recomputation included).
+    assert sim.flops == pytest.approx(estimate.flops, rel=1e-6)
+
+
+@pytest.mark.deviceless
+def test_h100_host_update_runs_after_the_backward_pass_with_nothing_beside_it():
+    _h100()
+    host = ox.Strategy("hybrid_host_update", "pinned_host", "pinned_host", update="host")
+    step, args = _stack_step(host)
+    sim = ox.estimate(step, *args, target="h100").simulation
+    (update,) = [e for e in sim.events if e.resource == "host"]
+    backward = [e for e in sim.events if e.resource == "compute" and e.phase == "backward"]
+    assert update.phase == "update" and update.start >= max(e.end for e in backward)
+    # Nothing overlaps it: the compute stream waits for all of it.
+    assert sim.waited["host"] == pytest.approx(update.end - update.start)
+    # One pass over the parameters, gradients and both moments read, three written
+    # (plus the count), at the host's bandwidth.
+    speeds = ox.TARGETS["h100"].speeds
+    assert update.end - update.start == pytest.approx(
+        7 * 4 * 2**20 / speeds.host_bandwidth, rel=0.01
+    )
+
+
+@pytest.mark.deviceless
+def test_h100_8_all_reduce_is_priced_as_a_ring():
+    _h100()
+    from offload_eqx._targets.devices import target_devices
+
+    devices = target_devices("h100-8")
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(8), ("d",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((8, 2**20), jnp.float32, sharding=sharded)
+    compiled = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=whole).trace(x).lower().compile()
+    speeds = ox.TARGETS["h100-8"].speeds
+    sim = simulate(compiled, speeds)
+    ring = 2 * 7 / 8 * 4 * 2**20 / speeds.interconnect_bandwidth
+    assert sim.busy["network"] == pytest.approx(ring + speeds.kernel_launch, rel=1e-6)
+    assert [e.resource for e in sim.events].count("network") == 1
+
+
+@pytest.mark.parametrize(
+    ("groups", "size"),
+    [
+        ("{{0,1,2,3},{4,5,6,7}}", 4),
+        ("[2,4]<=[8]", 4),
+        ("mesh['data'=2,'model'=4] {'model'}", 4),
+        ("mesh['data'=2,'model'=4] {'data','model'}", 8),
+    ],
+)
+def test_replica_groups_in_each_form_xla_prints(groups, size):
+    from offload_eqx._planning.hlo import parse_instruction
+    from offload_eqx._planning.kernels import group_size
+
+    line = f"  %ar = f32[8]{{0}} all-reduce(%g), replica_groups={groups}, to_apply=%add"
+    instruction, _ = parse_instruction(line)
+    assert instruction.opcode == "all-reduce" and group_size(instruction) == size
