@@ -259,7 +259,14 @@ def measure_speeds() -> ox.Speeds | None:
 def best_speeds(measured: list[ox.Speeds]) -> ox.Speeds:
     """The fastest of each rate over several calibrations: the least disturbed, as the
     calibration itself takes the best of its repeats and the steps the best of theirs."""
-    rates = ("flops", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "first_touch_bandwidth")
+    rates = (
+        "flops",
+        "memory_bandwidth",
+        "h2d_bandwidth",
+        "d2h_bandwidth",
+        "first_touch_bandwidth",
+        "transpose_bandwidth",
+    )
     best = {name: max(getattr(s, name) for s in measured) for name in rates}
     return dataclasses.replace(
         measured[0],

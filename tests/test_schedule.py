@@ -338,3 +338,30 @@ def test_replica_groups_in_each_form_xla_prints(groups, size):
     line = f"  %ar = f32[8]{{0}} all-reduce(%g), replica_groups={groups}, to_apply=%add"
     instruction, _ = parse_instruction(line)
     assert instruction.opcode == "all-reduce" and group_size(instruction) == size
+
+
+TRANSPOSE = """HloModule flip, is_scheduled=true
+
+%fused_flip (p: f32[1024,2048]) -> f32[2048,1024] {
+  %p = f32[1024,2048]{1,0} parameter(0)
+  ROOT %t = f32[2048,1024]{1,0} transpose(%p), dimensions={1,0}
+}
+
+ENTRY %main (x: f32[1024,2048]) -> f32[2048,1024] {
+  %x = f32[1024,2048]{1,0} parameter(0)
+  ROOT %flip = f32[2048,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_flip
+}
+"""
+
+
+def test_a_transposing_kernel_moves_at_the_transpose_rate_and_temp_is_touched_first():
+    moved = 2 * 8 * 2**20  # 8 MiB read, 8 MiB written
+    assert simulate(TRANSPOSE, SPEEDS).seconds == pytest.approx(moved / 1e12)
+    strided = dataclasses.replace(SPEEDS, transpose_bandwidth=1e10)
+    assert simulate(TRANSPOSE, strided).seconds == pytest.approx(moved / 1e10)
+    # A runtime that allocates its temporary buffer afresh faults it in first.
+    fresh = dataclasses.replace(SPEEDS, first_touch_bandwidth=1e9)
+    sim = simulate(TRANSPOSE, fresh, temp_bytes=10**6)
+    assert sim.seconds == pytest.approx(1e-3 + moved / 1e12)
+    assert sim.events[0].name == "temporary buffer (first touch)" and sim.events[0].end == 1e-3
+    assert simulate(TRANSPOSE, SPEEDS, temp_bytes=10**6).seconds == pytest.approx(moved / 1e12)

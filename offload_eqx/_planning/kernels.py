@@ -40,6 +40,7 @@ class Work:
     device_bytes: float = 0.0
     host_read: float = 0.0  # bytes read from host memory: over the link, host-to-device
     host_write: float = 0.0  # bytes written to host memory: device-to-host
+    transposes: bool = False  # the kernel transposes: its device bytes move strided
 
     def __add__(self, other: "Work") -> "Work":
         return Work(
@@ -47,6 +48,7 @@ class Work:
             self.device_bytes + other.device_bytes,
             self.host_read + other.host_read,
             self.host_write + other.host_write,
+            self.transposes or other.transposes,
         )
 
 
@@ -132,6 +134,17 @@ def inner_flops(module: Module, name: str, seen: frozenset = frozenset()) -> flo
         for called in instruction.calls:
             total += inner_flops(module, called, seen | {name})
     return total
+
+
+def transposes(module: Module, name: str) -> bool:
+    """Whether computation `name` (a fusion's) holds a `transpose` at any depth."""
+    computation = module.computations.get(name)
+    if computation is None:
+        return False
+    return any(
+        i.opcode == "transpose" or any(transposes(module, c) for c in i.calls)
+        for i in computation.instructions
+    )
 
 
 def own_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
@@ -226,7 +239,8 @@ def fusion_work(module: Module, computation: Computation, instruction: Instructi
             host_write += written
         else:
             device += written
-    return Work(flops, device, host_read, host_write)
+    strided = fused is not None and transposes(module, fused.name)
+    return Work(flops, device, host_read, host_write, strided)
 
 
 def _moved(
@@ -291,4 +305,5 @@ def instruction_work(module: Module, computation: Computation, instruction: Inst
             size if host_in else 0.0,
             size if host_out else 0.0,
         )
-    return _moved(module, computation, instruction, own_flops(module, computation, instruction))
+    work = _moved(module, computation, instruction, own_flops(module, computation, instruction))
+    return dataclasses.replace(work, transposes=opcode == "transpose")

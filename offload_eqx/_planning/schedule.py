@@ -5,9 +5,11 @@ resources, each doing one thing at a time:
 
 - `compute`: the device's stream. Each kernel (`kernels.py`) takes its roofline time,
   `max(FLOPs / (peak x efficiency), device bytes / HBM bandwidth, host bytes / link
-  bandwidth)`, plus the target's `kernel_launch` cost. A `while` runs its condition and
-  body once per trip (`known_trip_count`; once, with a note, where XLA does not know
-  it), a `call` its computation, a `conditional` its costliest branch.
+  bandwidth)`, plus the target's `kernel_launch` cost; a kernel that transposes moves
+  its device bytes at the target's `transpose_bandwidth` where that is given. A
+  `while` runs its condition and body once per trip (`known_trip_count`; once, with a
+  note, where XLA does not know it), a `call` its computation, a `conditional` its
+  costliest branch.
 - `h2d`, `d2h`: the copy engines. An asynchronous copy or fusion (`copy-start`,
   `fusion-start`, ...) that reads host memory is host-to-device work, one that writes it
   device-to-host, at the link's bandwidth in that direction.
@@ -112,9 +114,10 @@ class _Simulator:
                 work.flops / s.host_flops,
                 (work.device_bytes + work.host_read + work.host_write) / s.host_bandwidth,
             )
+        strided = work.transposes and s.transpose_bandwidth
         return s.kernel_launch + max(
             work.flops / (s.flops * s.efficiency),
-            work.device_bytes / s.memory_bandwidth,
+            work.device_bytes / (s.transpose_bandwidth if strided else s.memory_bandwidth),
             work.host_read / s.h2d_bandwidth,
             work.host_write / s.d2h_bandwidth,
         )

@@ -17,7 +17,9 @@ several runs (the least disturbed by other work on the machine):
   negligible work: the time XLA:CPU spends per instruction beyond its work;
 - `first_touch_bandwidth`: a jitted fill of `FRESH` float32 values, larger than the C
   allocator keeps for reuse (32 MiB), so every call writes pages new to the process:
-  the rate at which XLA:CPU's per-execution temporary buffer is first written.
+  the rate at which XLA:CPU's per-execution temporary buffer is first written;
+- `transpose_bandwidth`: a jitted transposing copy of a `TRANSPOSE` float32 matrix
+  (bytes read and written over the time): the rate of XLA:CPU's kernels that transpose.
 
 Measured in float32: bfloat16 arithmetic on a CPU is emulated and far slower, so time
 CPU steps in float32.
@@ -38,7 +40,8 @@ MATMUL = 1024
 STREAM = 4 * 2**20  # float32 values: 16 MiB per array
 LAUNCHES = 200
 FRESH = 16 * 2**20  # float32 values: 64 MiB, above glibc's largest reuse threshold
-_REPEATS = 5
+TRANSPOSE = (1024, 2048)  # 8 MiB
+_REPEATS = 10  # the best of 10: a quiet moment on a shared machine
 
 
 def _best_seconds(fn: Callable[[], jax.Array], repeats: int = _REPEATS) -> float:
@@ -96,6 +99,12 @@ def _first_touch_bandwidth(cpu: Any) -> float:
     return 4 * FRESH / _best_seconds(lambda: fill(v))
 
 
+def _transpose_bandwidth(cpu: Any) -> float:
+    x = jax.device_put(jnp.ones(TRANSPOSE, jnp.float32), cpu)
+    flip = jax.jit(lambda m: m.T * 1.0)
+    return 2 * x.nbytes / _best_seconds(lambda: flip(x))
+
+
 def _with_overheads(
     flops: float, memory_bandwidth: float, h2d: float, d2h: float, cpu: Any
 ) -> Speeds:
@@ -111,4 +120,5 @@ def _with_overheads(
         source=f"measured on this machine's CPU ({os.cpu_count()} cores), float32",
         kernel_launch=_launch_seconds(cpu),
         first_touch_bandwidth=_first_touch_bandwidth(cpu),
+        transpose_bandwidth=_transpose_bandwidth(cpu),
     )

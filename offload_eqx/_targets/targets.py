@@ -62,6 +62,9 @@ class Speeds:
         written when the runtime allocates it afresh for every execution (XLA:CPU: each
         page faulted in from the operating system). 0: not priced (a GPU's or TPU's
         allocator keeps its memory).
+    - `transpose_bandwidth`: bytes/s a kernel that transposes moves (its reads or writes
+        strided; XLA:CPU's loop fusions). 0: at `memory_bandwidth` (a GPU's tiled
+        transposes run near it).
     - `source`: where the figures come from, one line.
 
     The jaxpr count (`ox.estimate(..., compile=False)`) uses the first eight; the
@@ -80,6 +83,7 @@ class Speeds:
     kernel_launch: float = 0.0
     interconnect_bandwidth: float = 0.0
     first_touch_bandwidth: float = 0.0
+    transpose_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -139,7 +143,12 @@ class Target:
         return _EXTRAS[self.platform][1] if self.platform in _EXTRAS else None
 
 
-_MAY_BE_ZERO = ("kernel_launch", "interconnect_bandwidth", "first_touch_bandwidth")
+_MAY_BE_ZERO = (
+    "kernel_launch",
+    "interconnect_bandwidth",
+    "first_touch_bandwidth",
+    "transpose_bandwidth",
+)
 
 
 def _positive_or_zero(value: object) -> bool:

@@ -1,0 +1,92 @@
+"""FLOPs of the compiled program against the jaxpr count and against XLA's cost analysis.
+
+For the experiments' decoder (`experiments/_decoder.py`) at 1B, 8B and 13B, one training
+step at batch 1 under `hybrid` (q, k, v offloaded, the rest recomputed, weights and
+AdamW state in host memory), compiled for an H100 without the hardware:
+
+- `jaxpr`: `ox.estimate(...).flops`, the matmul FLOPs counted on the traced program,
+  scan bodies times their length, recomputation included;
+- `simulated`: the FLOPs of the dots in the compiled program as the simulation ran them
+  (`StepEstimate.simulation.flops`: every `while` body times its trip count);
+- `compiled once`: the dots of the step compiled for this machine's CPU with every
+  computation counted once, beside XLA's `compiled.cost_analysis()["flops"]` of that
+  compile, which counts each `while` body once too and adds the elementwise work (its
+  figure is the larger by that). A compile for a GPU without the hardware has no cost
+  analysis (`cost_analysis()` returns None), so the CPU compiler stands in.
+
+    JAX_PLATFORMS=cpu python benchmarks/compiled_flops.py          # 1B, 8B, 13B: minutes
+    JAX_PLATFORMS=cpu python benchmarks/compiled_flops.py --smoke  # 1B only
+
+Writes `benchmarks/results/compiled_flops.json`.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "experiments"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _decoder import CONFIGS, STRATEGIES, abstract_state, make_step, optimizer_for  # noqa: E402
+
+import offload_eqx as ox  # noqa: E402
+from offload_eqx._inspect.memory_report import compiled_report  # noqa: E402
+from offload_eqx._planning.hlo import parse_module  # noqa: E402
+from offload_eqx._planning.kernels import inner_flops  # noqa: E402
+from offload_eqx._targets.deviceless import program_of_step  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+
+
+def measure(size: str, strategy: str = "hybrid") -> dict:
+    config = CONFIGS[size]
+    model, state = abstract_state(config, strategy)
+    step = make_step(optimizer_for(strategy, config), STRATEGIES[strategy])
+    tokens = jax.ShapeDtypeStruct((1, config.seq + 1), jnp.int32)
+    begin = time.perf_counter()
+    estimate = ox.estimate(step, model, state, tokens, target="h100")
+    _, compiled = compiled_report(
+        program_of_step(step, (model, state, tokens), {}), ox.TARGETS["cpu"], size
+    )
+    module = parse_module(compiled.as_text())
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert estimate.simulation is not None
+    return {
+        "size": size,
+        "strategy": strategy,
+        "jaxpr": estimate.flops,
+        "simulated": estimate.simulation.flops,
+        "compiled_once": inner_flops(module, module.entry),
+        "cost_analysis": float(cost.get("flops", 0.0)),
+        "seconds": time.perf_counter() - begin,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="1B only")
+    args = parser.parse_args()
+    rows = [measure(size) for size in (("1B",) if args.smoke else ("1B", "8B", "13B"))]
+    print(
+        "size | jaxpr TFLOP | simulated TFLOP | simulated/jaxpr | compiled once | "
+        "cost_analysis | once/cost"
+    )
+    for r in rows:
+        print(
+            f"{r['size']} | {r['jaxpr'] / 1e12:.3f} | {r['simulated'] / 1e12:.3f} | "
+            f"{r['simulated'] / r['jaxpr']:.4f} | {r['compiled_once'] / 1e12:.4f} | "
+            f"{r['cost_analysis'] / 1e12:.4f} | {r['compiled_once'] / r['cost_analysis']:.4f}"
+        )
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "compiled_flops.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
