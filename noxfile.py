@@ -5,7 +5,7 @@ nox -s deviceless       # only the memory reports from the real XLA:GPU / XLA:TP
 nox -s multidevice      # tests on 8 CPU devices and across 2 processes
 nox -s lint typecheck   # ruff, pyright
 nox -s experiments      # the experiments on small defaults (--smoke)
-nox -s benchmarks       # dispatch overhead, audit time
+nox -s benchmarks       # dispatch overhead, audit time, step time, compiled FLOPs
 nox -s docs             # the documentation site into site/ (mkdocs --strict)
 """
 
@@ -103,8 +103,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def benchmarks(session: nox.Session) -> None:
-    """Benchmarks (dispatch overhead, audit time): `nox -s benchmarks`."""
-    session.install("-e", ".[test]")
+    """Benchmarks (dispatch overhead, audit time, predicted step time, compiled FLOPs):
+    `nox -s benchmarks`."""
+    session.install("-e", ".[test,cuda]")  # compiled_flops.py compiles for an H100
     for script in sorted(os.listdir("benchmarks")):
         if script.endswith(".py"):
             session.run("python", f"benchmarks/{script}", *session.posargs, env=CPU_ENV)

@@ -255,12 +255,23 @@ def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
 
+def _simulation(estimate: ox.StepEstimate):
+    assert estimate.simulation is not None
+    return estimate.simulation
+
+
+def _speeds(target: str) -> Speeds:
+    speeds = ox.TARGETS[target].speeds
+    assert speeds is not None
+    return speeds
+
+
 @pytest.mark.deviceless
 def test_h100_layer_fetches_inside_the_scan_overlap_compute():
     _h100()
     step, args = _stack_step("hybrid")
     estimate = ox.estimate(step, *args, target="h100")
-    sim = estimate.simulation
+    sim = _simulation(estimate)
     assert estimate.model == "compiled" and estimate.traced_seconds is not None
     fetches = [e for e in sim.events if e.resource == "h2d" and "while/body" in e.op_name]
     kernels = [e for e in sim.events if e.resource == "compute"]
@@ -290,7 +301,7 @@ def test_h100_host_update_runs_after_the_backward_pass_with_nothing_beside_it():
     _h100()
     host = ox.Strategy("hybrid_host_update", "pinned_host", "pinned_host", update="host")
     step, args = _stack_step(host)
-    sim = ox.estimate(step, *args, target="h100").simulation
+    sim = _simulation(ox.estimate(step, *args, target="h100"))
     (update,) = [e for e in sim.events if e.resource == "host"]
     backward = [e for e in sim.events if e.resource == "compute" and e.phase == "backward"]
     assert update.phase == "update" and update.start >= max(e.end for e in backward)
@@ -298,7 +309,7 @@ def test_h100_host_update_runs_after_the_backward_pass_with_nothing_beside_it():
     assert sim.waited["host"] == pytest.approx(update.end - update.start)
     # One pass over the parameters, gradients and both moments read, three written
     # (plus the count), at the host's bandwidth.
-    speeds = ox.TARGETS["h100"].speeds
+    speeds = _speeds("h100")
     assert update.end - update.start == pytest.approx(
         7 * 4 * 2**20 / speeds.host_bandwidth, rel=0.01
     )
@@ -315,7 +326,7 @@ def test_h100_8_all_reduce_is_priced_as_a_ring():
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((8, 2**20), jnp.float32, sharding=sharded)
     compiled = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=whole).trace(x).lower().compile()
-    speeds = ox.TARGETS["h100-8"].speeds
+    speeds = _speeds("h100-8")
     sim = simulate(compiled, speeds)
     ring = 2 * 7 / 8 * 4 * 2**20 / speeds.interconnect_bandwidth
     assert sim.busy["network"] == pytest.approx(ring + speeds.kernel_launch, rel=1e-6)
@@ -336,7 +347,9 @@ def test_replica_groups_in_each_form_xla_prints(groups, size):
     from offload_eqx._planning.kernels import group_size
 
     line = f"  %ar = f32[8]{{0}} all-reduce(%g), replica_groups={groups}, to_apply=%add"
-    instruction, _ = parse_instruction(line)
+    parsed = parse_instruction(line)
+    assert parsed is not None
+    instruction, _ = parsed
     assert instruction.opcode == "all-reduce" and group_size(instruction) == size
 
 

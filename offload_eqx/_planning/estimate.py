@@ -40,11 +40,16 @@ class StepEstimate:
         included; `recompute_flops` is that part).
     - `h2d_bytes`, `d2h_bytes`: what crosses the host link per step, each way.
     - `device_bytes`, `host_bytes`: the compiled memory (None when not compiled).
-    - `seconds`: the predicted step time.
+    - `seconds`: the predicted step time: the compiled program's schedule simulated
+        (`model == "compiled"`), or the jaxpr count's (`"traced"`, `compile=False`).
     - `phases`: its breakdown, `{"forward": ..., "backward": ..., "update": ...}`; each
         phase's predicted seconds of `compute`, `h2d`, `d2h` and `host` work, the
-        `exposed` copies (the largest copy of each direction, which does not hide behind
-        compute) and the phase's total `seconds`.
+        `exposed` time (simulated: what the compute stream waited for copies, host work
+        and collectives; traced: the largest copy of each direction) and the phase's
+        total `seconds`.
+    - `traced_seconds`: the jaxpr count's prediction, kept beside a compiled one.
+    - `simulation`: the simulated schedule (`compile=True`): each resource's busy time,
+        what the compute stream waited for, the costliest instructions, every event.
     - `speeds`: the `ox.Speeds` it was priced with; `capacity`: the target's device
         memory (None: unknown).
     - `notes`: `(phase, note)` pairs for what the counts leave out (a while loop is
@@ -175,7 +180,7 @@ class StepEstimate:
             f"{(self.traced_seconds or 0) * 1e3:.3f} ms.",
             "Costliest instructions (ms, all executions):",
         ]
-        lines += [f"  {s * 1e3:.3f} {r:8} {name}  {op[-70:]}" for name, op, r, s in sim.top[:5]]
+        lines += [f"  {s * 1e3:.3f} {r:8} {name}  {_short(op)}" for name, op, r, s in sim.top[:5]]
         return lines + [f"Note: {note}" for note in sim.notes]
 
     __repr__ = __str__
@@ -221,6 +226,15 @@ def estimate_from(
         traced_seconds=traced,
         simulation=simulation,
     )
+
+
+def _short(op_name: str, width: int = 60) -> str:
+    """An `op_name` cut to its last whole path segments within `width` characters."""
+    parts = op_name.split("/")
+    kept: list[str] = []
+    while parts and len("/".join([parts[-1], *kept])) <= width:
+        kept.insert(0, parts.pop())
+    return ("…/" if parts else "") + "/".join(kept or [op_name[-width:]])
 
 
 def simulate_compiled(compiled: Any, report: Any, speeds: Speeds) -> Simulation:
@@ -286,10 +300,17 @@ def estimate(
     - `*args`, `**kwargs`: the call's arguments, arrays or `jax.ShapeDtypeStruct`s.
     - `target`: a name in `ox.TARGETS` or a `Target`; its `speeds` price the step
         (`"cpu"`: measured on this machine, in float32).
-    - `compile`: True or False: compile for the target to read device and host memory
-        (the step time needs only the trace).
+    - `compile`: True or False. True: compile for the target (its real compiler, without
+        the hardware for a GPU or TPU; on this machine's accelerator when it is the
+        target's chip), read device and host memory, and predict the time by simulating
+        the compiled program's schedule: each kernel as XLA fused it, asynchronous copies
+        on the host link's copy engines, host computations on the host, collectives on
+        the interconnect. False: the jaxpr count alone (no compile; no memory), a cheaper
+        bound that assumes copies overlap compute within each phase.
 
-    **Returns:** an `ox.StepEstimate` (`print` it; `to_dict()`).
+    **Returns:** an `ox.StepEstimate` (`print` it; `to_dict()`; `timeline(path)` writes
+    the simulated step as a Chrome trace for Perfetto). `seconds` is the simulation's
+    with `compile=True`, and `traced_seconds` the jaxpr count's either way.
 
     **Raises:** what `ox.audit` raises for a step that breaks its placement contract
     (the prediction would price a program that does not do what it declares);
