@@ -20,7 +20,8 @@ Import it as `import offload_eqx as ox`. The entry points, by task:
 - See what moves: `ox.audit`, `ox.no_implicit_transfers`, `step.plan(...)`.
 - Memory without the hardware: `ox.memory_report`, `ox.compare_memory`
   (`target="h100"` or `"tpu-v5p"`).
-- Plan a run: `ox.estimate` (predicted step time), `ox.fit` (the fastest plan that
+- Plan a run: `ox.estimate` (predicted step time: the compiled program's schedule
+  simulated, `StepEstimate.timeline` as a Chrome trace), `ox.fit` (the fastest plan that
   fits), `ox.max_batch` (the largest batch that fits).
 - Checkpoints: `ox.save_checkpoint`, `ox.restore_checkpoint`.
 
@@ -74,6 +75,7 @@ from ._optimizer.optimizer import (
 from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._planning.estimate import StepEstimate as StepEstimate, estimate as estimate
 from ._planning.max_batch import max_batch as max_batch
+from ._planning.schedule import Event as Event, Simulation as Simulation
 from ._targets.targets import (
     TARGETS as TARGETS,
     Speeds as Speeds,

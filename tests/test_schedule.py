@@ -378,3 +378,21 @@ def test_a_transposing_kernel_moves_at_the_transpose_rate_and_temp_is_touched_fi
     assert sim.seconds == pytest.approx(1e-3 + moved / 1e12)
     assert sim.events[0].name == "temporary buffer (first touch)" and sim.events[0].end == 1e-3
     assert simulate(TRANSPOSE, SPEEDS, temp_bytes=10**6).seconds == pytest.approx(moved / 1e12)
+
+
+def test_a_traced_estimate_has_no_timeline_and_says_how_to_get_one(tmp_path):
+    def step(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = jnp.ones((64, 64)), jnp.ones((8, 64))
+    traced = ox.estimate(step, w, x, target="cpu", compile=False)
+    assert traced.model == "traced" and traced.simulation is None
+    with pytest.raises(ValueError, match=r"compile=False.*ox.estimate\(\.\.\., compile=True\)"):
+        traced.timeline(str(tmp_path / "step.json"))
+    compiled = ox.estimate(step, w, x, target="cpu")
+    assert compiled.model == "compiled" and isinstance(compiled.simulation, ox.Simulation)
+    assert compiled.traced_seconds == pytest.approx(traced.seconds)
+    document = json.load(open(compiled.timeline(str(tmp_path / "step.json"))))
+    names = {e["name"] for e in document["traceEvents"] if e["ph"] == "X"}
+    assert any("dot" in n or "fusion" in n for n in names)
+    assert compiled.to_dict()["model"] == "compiled" and "simulation" in compiled.to_dict()
