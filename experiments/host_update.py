@@ -11,6 +11,11 @@ with three optimizers, compiled for each target without the hardware:
   made);
 - `gradients only`: the step without any update, the floor of the backward pass.
 
+Then the two updates' step times on the H100 (`ox.estimate`: the compiled schedule
+simulated, beside the jaxpr count), with the simulated timelines drawn one above the
+other (`results/host_update_timeline.png`) and written as Chrome traces
+(`results/host_update_*.trace.json`, for Perfetto).
+
 `--smoke`: a scanned model of 8 layers of 1024 x 1024 (P = 4 MiB, one layer), adam and
 `clip_by_global_norm` + adam, on h100 and tpu-v5p. `--full` adds the Llama-like 8B
 decoder (`_decoder.py`) at batch 1 x 2048 tokens on h100. XLA:TPU is compiled with
@@ -34,7 +39,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from _report import RESULTS, format_table, target_available  # noqa: E402
+from _report import RESULTS, format_table, pyplot, target_available  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 from offload_eqx._sharding import host_compute as _host_compute  # noqa: E402
@@ -116,6 +121,38 @@ def _measure(workload: str, programs: dict, target: str, unit: float) -> list[di
     return rows
 
 
+def _timelines() -> list[dict]:
+    """Each update's predicted step on the H100, and its simulated timeline."""
+    programs = _stack_programs(clip=True)
+    rows, estimates = [], {}
+    for name in ("layer-streamed device update", "host update"):
+        fn, args = programs[name]
+        estimate = ox.estimate(fn, *args, target="h100")
+        estimates[name] = estimate
+        slug = "host" if name == "host update" else "streamed"
+        estimate.timeline(os.path.join(RESULTS, f"host_update_{slug}.trace.json"))
+        assert estimate.simulation is not None and estimate.traced_seconds is not None
+        rows.append(
+            dict(
+                program=name,
+                simulated_ms=estimate.seconds * 1e3,
+                traced_ms=estimate.traced_seconds * 1e3,
+                waited_ms={k: v * 1e3 for k, v in estimate.simulation.waited.items()},
+                busy_ms={k: v * 1e3 for k, v in estimate.simulation.busy.items() if v},
+            )
+        )
+    plt = pyplot()
+    if plt is not None:
+        figure, axes = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+        for ax, (name, estimate) in zip(axes, estimates.items()):
+            estimate.plot_timeline(ax, f"{name}: {estimate.seconds * 1e3:.2f} ms simulated")
+        figure.suptitle("8 x 1024^2, clip + adam, hybrid, h100 (simulated)")
+        figure.tight_layout()
+        figure.savefig(os.path.join(RESULTS, "host_update_timeline.png"), dpi=120)
+        plt.close(figure)
+    return rows
+
+
 def run(full: bool = False) -> list[dict]:
     rows = []
     # On TPU the host update is refused (`_host_compute.HOST_UPDATE_PROBLEMS`); bypassed
@@ -147,6 +184,25 @@ def run(full: bool = False) -> list[dict]:
     header = ["workload", "target", "program", "device", "host", "device vs streamed"]
     print(format_table(header, body, markdown=True))
     os.makedirs(RESULTS, exist_ok=True)
+    if target_available("h100"):
+        times = _timelines()
+        print(
+            format_table(
+                ["program (h100)", "simulated ms", "jaxpr count ms", "stream waits for (ms)"],
+                [
+                    [
+                        t["program"],
+                        f"{t['simulated_ms']:.3f}",
+                        f"{t['traced_ms']:.3f}",
+                        ", ".join(f"{k} {v:.3f}" for k, v in t["waited_ms"].items()),
+                    ]
+                    for t in times
+                ],
+                markdown=True,
+            )
+        )
+        with open(os.path.join(RESULTS, "host_update_timeline.json"), "w") as file:
+            json.dump(times, file, indent=1)
     path = os.path.join(RESULTS, f"host_update{'' if full else '_smoke'}.json")
     with open(path, "w") as file:
         json.dump(rows, file, indent=1)

@@ -74,6 +74,21 @@ def _child() -> dict:
         }
         comparison = compare_memory(programs, target=target)
         out[target] = {name: r.as_dict() for (name, _), r in comparison.reports.items()}
+        # The step time of the same program, its collectives priced on the interconnect.
+        estimate = ox.estimate(programs["baseline"][0], model, x, target=target)
+        sim = estimate.simulation
+        out[target]["estimate"] = {
+            "seconds": estimate.seconds,
+            "flops": estimate.flops,
+            "simulated_flops": sim.flops,
+            "network": [
+                {"name": e.name, "seconds": e.end - e.start, "op_name": e.op_name}
+                for e in sim.events
+                if e.resource == "network"
+            ],
+            "busy": sim.busy,
+            "waited": sim.waited,
+        }
         out[target]["table"] = str(comparison)
         out[target]["hybrid_text"] = str(comparison.reports[("hybrid", target)])
         try:
@@ -167,6 +182,32 @@ def test_table_says_per_device_and_mismatch_names_both_shapes(target):
     message = reports["mismatch"]
     assert f"shape {shape}" in message
     assert "has 4 devices" in message or "has 8 devices" in message
+
+
+@pytest.mark.parametrize("target", list(CASES))
+def test_fsdp_step_time_prices_its_collectives(target):
+    """FSDP over 4 devices: the compiled step gathers each layer's weights and
+    reduce-scatters their gradients; the simulation runs them on the interconnect."""
+    _require_extras()
+    import offload_eqx as ox
+
+    estimate = _reports()[target]["estimate"]
+    network = estimate["network"]
+    assert network, "an FSDP step has collectives"
+    assert estimate["busy"]["network"] == pytest.approx(sum(e["seconds"] for e in network))
+    speeds = ox.TARGETS[target].speeds
+    assert speeds is not None and speeds.interconnect_bandwidth > 0
+    # XLA spreads the matmuls over every device: the compiled program's FLOPs, its
+    # loops' trips counted (XLA:TPU's read from their conditions), are the jaxpr
+    # count's divided evenly.
+    assert estimate["simulated_flops"] == pytest.approx(estimate["flops"], rel=1e-6)
+    # Each layer's weights gathered before use (forward and recomputation) and its
+    # gradient reduced across the shards: several collectives per trip of the scan.
+    kinds = {e["name"].split(".")[0].removesuffix("-start") for e in network}
+    assert "all-gather" in kinds and kinds & {"reduce-scatter", "all-reduce"}
+    assert len(network) >= 2 * LAYERS
+    # Nothing collective is free: the step is at least its collectives' longest.
+    assert estimate["seconds"] >= max(e["seconds"] for e in network)
 
 
 def test_placed_arrays_on_a_cpu_mesh():

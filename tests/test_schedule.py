@@ -396,3 +396,49 @@ def test_a_traced_estimate_has_no_timeline_and_says_how_to_get_one(tmp_path):
     names = {e["name"] for e in document["traceEvents"] if e["ph"] == "X"}
     assert any("dot" in n or "fusion" in n for n in names)
     assert compiled.to_dict()["model"] == "compiled" and "simulation" in compiled.to_dict()
+
+
+COUNTED = """HloModule counted, is_scheduled=true
+
+%fused_scale (q0: f32[1024]) -> f32[1024] {
+  %q0 = f32[1024]{0} parameter(0)
+  ROOT %neg = f32[1024]{0} negate(%q0)
+}
+
+%body (s: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %s = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = f32[1024]{0} get-tuple-element(%s), index=1
+  %one = s32[] constant(1)
+  %next_i = s32[] add(%i, %one)
+  %next_v = f32[1024]{0} fusion(%v), kind=kLoop, calls=%fused_scale
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%next_i, %next_v)
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %limit = s32[] constant(7)
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%k, %limit), direction=LT
+}
+
+ENTRY %main (v0: f32[1024]) -> (s32[], f32[1024]) {
+  %v0 = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(2)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[1024]{0}) tuple(%start, %v0)
+  ROOT %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_trip_count_is_read_from_the_condition_when_xla_prints_none():
+    # XLA:TPU prints no `known_trip_count`: `i < 7` from `i = 2` runs 5 trips.
+    sim = simulate(COUNTED, SPEEDS)
+    assert sim.notes == ()
+    assert [e.name for e in sim.events].count("next_v") == 5
+    module = parse_module(COUNTED)
+    main = module.entry_computation
+    assert module.trip_count(main, main.by_name["loop"]) == 5
+    le = parse_module(COUNTED.replace("direction=LT", "direction=LE"))
+    assert le.trip_count(le.entry_computation, le.entry_computation.by_name["loop"]) == 6

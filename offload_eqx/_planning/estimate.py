@@ -26,7 +26,7 @@ from .._sharding.host_compute import check_host_compute
 from .._targets.deviceless import program_of_step
 from .._targets.targets import Speeds, Target, get_target
 from .schedule import RESOURCES, Simulation, simulate
-from .timeline import write_timeline
+from .timeline import plot_timeline, write_timeline
 from .traced_time import PHASES, Costs, PhaseTime, load_of, predict, speeds_of, trace_costs
 
 
@@ -98,6 +98,18 @@ class StepEstimate:
         return write_timeline(
             self.simulation, path, f"{self.name} ({self.strategy}) on {self.target}"
         )
+
+    def plot_timeline(self, ax: Any = None, title: str = "") -> Any:
+        """Draw the simulated step as a Gantt chart on a matplotlib axis (made if not
+        given): one row per busy resource, slices coloured by phase. Needs matplotlib
+        and an estimate made with `compile=True`. Returns the axis."""
+        if self.simulation is None:
+            raise ValueError(
+                f"StepEstimate.plot_timeline(): this estimate of {self.name!r} was made "
+                "from the trace alone (`compile=False`). Call "
+                "`ox.estimate(..., compile=True)`."
+            )
+        return plot_timeline(self.simulation, ax, title)
 
     @property
     def fits(self) -> bool | None:

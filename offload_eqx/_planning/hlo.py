@@ -128,6 +128,47 @@ class Module:
     def entry_computation(self) -> Computation:
         return self.computations[self.entry]
 
+    def trip_count(self, computation: Computation, loop: Instruction) -> int | None:
+        """A `while`'s trip count: XLA's `known_trip_count` (XLA:GPU, XLA:CPU), else read
+        from a condition `i < N` (or `<=`, `!=`) on a counter that starts at a constant
+        (XLA:TPU prints no trip count); None when neither says."""
+        if loop.trip_count is not None:
+            return loop.trip_count
+        condition = self.computations.get(loop.calls[-1]) if loop.calls else None
+        if condition is None or condition.root.opcode != "compare" or not loop.operands:
+            return None
+        compare = condition.root
+        sides = [condition.by_name.get(name) for name, _ in compare.operands]
+        if len(sides) != 2 or any(side is None for side in sides):
+            return None
+        counter, bound = sides
+        direction = compare.attribute("direction")
+        if counter.opcode == "constant":  # `N > i` reads as `i < N`
+            counter, bound = bound, counter
+            direction = {"GT": "LT", "GE": "LE"}.get(direction or "", direction)
+        limit = _integer(bound)
+        if (
+            limit is None
+            or counter.opcode != "get-tuple-element"
+            or direction not in ("LT", "LE", "NE")
+        ):
+            return None
+        index = int(counter.attribute("index") or 0)
+        start = self._initial(computation, loop.operands[0][0], index)
+        if start is None:
+            return None
+        return max(limit - start + (direction == "LE"), 0)
+
+    def _initial(self, computation: Computation, name: str, index: int) -> int | None:
+        """The constant a loop's tuple operand holds at `index` (through copies)."""
+        value = computation.by_name.get(name)
+        if value is None or value.opcode != "tuple" or index >= len(value.operands):
+            return None
+        element = computation.by_name.get(value.operands[index][0])
+        while element is not None and element.opcode == "copy" and element.operands:
+            element = computation.by_name.get(element.operands[0][0])
+        return _integer(element)
+
     def operand_type(self, computation: Computation, operand: tuple[str, int | None]) -> Type:
         """The type of one operand of an instruction of `computation`."""
         name, index = operand
@@ -138,6 +179,16 @@ class Module:
         if index is not None and isinstance(value, tuple) and index < len(value):
             return value[index]
         return value
+
+
+def _integer(instruction: Instruction | None) -> int | None:
+    """The value of an integer scalar `constant`, or None."""
+    if instruction is None or instruction.opcode != "constant":
+        return None
+    try:
+        return int(instruction.argument)
+    except ValueError:
+        return None
 
 
 def parse_type(text: str) -> tuple[Type, str]:

@@ -7,8 +7,9 @@ resources, each doing one thing at a time:
   `max(FLOPs / (peak x efficiency), device bytes / HBM bandwidth, host bytes / link
   bandwidth)`, plus the target's `kernel_launch` cost; a kernel that transposes moves
   its device bytes at the target's `transpose_bandwidth` where that is given. A
-  `while` runs its condition and body once per trip (`known_trip_count`; once, with a
-  note, where XLA does not know it), a `call` its computation, a `conditional` its
+  `while` runs its condition and body once per trip (`known_trip_count`, or read from a
+  condition `i < N` on a counter starting at a constant, as XLA:TPU prints loops; once,
+  with a note, where neither says), a `call` its computation, a `conditional` its
   costliest branch.
 - `h2d`, `d2h`: the copy engines. An asynchronous copy or fusion (`copy-start`,
   `fusion-start`, ...) that reads host memory is host-to-device work, one that writes it
@@ -124,13 +125,19 @@ class _Simulator:
 
     def host_seconds(self, name: str) -> float:
         """A host computation, as XLA:CPU compiles it (its elementwise work fused into
-        loops): one pass over what it reads and writes at the host's bandwidth, or its
-        dots at the host's FLOP rate, whichever is longer."""
+        loops): one pass over what it reads and writes, and one more read of what each
+        reduction reduces (a global norm must be known before the update that uses it),
+        at the host's bandwidth; or its dots at the host's FLOP rate, if longer."""
         computation = self.module.computations.get(name)
         if computation is None:
             return 0.0
         moved = sum(nbytes(i.type) for i in computation.instructions if i.opcode == "parameter")
         moved += nbytes(computation.root.type)
+        moved += sum(
+            nbytes(self.module.operand_type(computation, i.operands[0]))
+            for i in computation.instructions
+            if i.opcode == "reduce" and i.operands
+        )
         flops = inner_flops(self.module, name)
         return max(flops / self.speeds.host_flops, moved / self.speeds.host_bandwidth)
 
@@ -219,7 +226,7 @@ class _Simulator:
         if is_free(instruction):
             return
         if opcode == "while":
-            return self.loop(instruction)
+            return self.loop(computation, instruction)
         if opcode == "call":
             for called in instruction.calls:
                 self.run(called)
@@ -266,8 +273,8 @@ class _Simulator:
         self.advance(seconds, "forward")
         self.record("compute", touch, 0.0, seconds, "forward", Work(0.0, float(temp_bytes)))
 
-    def loop(self, instruction: Instruction) -> None:
-        trips = instruction.trip_count
+    def loop(self, computation: Computation, instruction: Instruction) -> None:
+        trips = self.module.trip_count(computation, instruction)
         if trips is None:
             self.note(f"the trip count of {instruction.name} is unknown: its body is counted once")
             trips = 1

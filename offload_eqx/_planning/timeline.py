@@ -84,11 +84,12 @@ def plot_timeline(simulation: Simulation, ax: Any = None, title: str = "") -> An
     """A Gantt chart of the simulated step on a matplotlib axis (made if not given): one
     row per busy resource, slices coloured by phase. Needs matplotlib (the
     `experiments` extra). Returns the axis."""
-    import matplotlib.pyplot as plt  # optional: only the plot needs it
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]  (optional: the plot only)
 
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 2.6))
     rows = [r for r in RESOURCES if simulation.busy.get(r)]
+    labelled: set[str] = set()
     for row, resource in enumerate(rows):
         spans = [
             (e.start * 1e3, (e.end - e.start) * 1e3, e.phase)
@@ -98,17 +99,12 @@ def plot_timeline(simulation: Simulation, ax: Any = None, title: str = "") -> An
         for phase, colour in _PHASE_COLOURS.items():
             mine = [(s, d) for s, d, p in spans if p == phase]
             if mine:
-                ax.broken_barh(
-                    mine,
-                    (row - 0.4, 0.8),
-                    facecolors=colour,
-                    label=phase if row == 0 or resource == rows[0] else None,
-                )
+                label = None if phase in labelled else phase
+                labelled.add(phase)
+                ax.broken_barh(mine, (row - 0.4, 0.8), facecolors=colour, label=label)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start")
     ax.set_title(title or f"simulated step: {simulation.seconds * 1e3:.3f} ms")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     return ax
