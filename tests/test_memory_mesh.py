@@ -77,6 +77,7 @@ def _child() -> dict:
         # The step time of the same program, its collectives priced on the interconnect.
         estimate = ox.estimate(programs["baseline"][0], model, x, target=target)
         sim = estimate.simulation
+        assert sim is not None
         out[target]["estimate"] = {
             "seconds": estimate.seconds,
             "flops": estimate.flops,

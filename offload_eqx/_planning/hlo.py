@@ -138,10 +138,12 @@ class Module:
         if condition is None or condition.root.opcode != "compare" or not loop.operands:
             return None
         compare = condition.root
-        sides = [condition.by_name.get(name) for name, _ in compare.operands]
-        if len(sides) != 2 or any(side is None for side in sides):
+        if len(compare.operands) != 2:
             return None
-        counter, bound = sides
+        counter = condition.by_name.get(compare.operands[0][0])
+        bound = condition.by_name.get(compare.operands[1][0])
+        if counter is None or bound is None:
+            return None
         direction = compare.attribute("direction")
         if counter.opcode == "constant":  # `N > i` reads as `i < N`
             counter, bound = bound, counter
