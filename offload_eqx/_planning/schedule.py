@@ -239,8 +239,7 @@ class _Simulator:
             return
         if opcode.endswith("-start"):
             return self.start(computation, instruction)
-        base = opcode
-        if base in COLLECTIVES:
+        if opcode in COLLECTIVES:  # synchronous: a start and a done at once
             self.start(computation, instruction)
             return self.done(instruction, own=True)
         self.kernel(computation, instruction)
