@@ -203,6 +203,25 @@ MODELS: dict[str, Callable[[Any], eqx.Module]] = {
 INPUT_SHAPES = {"scanned": (8, 16), "loop": (8, 16), "attention": (8, 16), "eqx_nn": (8, 16)}
 
 
+class HostSquare(eqx.Module):
+    """One layer `tanh(x @ w)` with its weight in host memory and its input named `x`."""
+
+    w: jax.Array = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(ox.name(x, "x") @ self.w)
+
+
+class HostStack(eqx.Module):
+    """Stacked `HostSquare` layers run by `ox.scan`, `x` recomputed."""
+
+    layers: HostSquare
+    activations: ox.Activations = ox.activations(x="remat")
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
 def loss_fn(model, x):
     return jnp.mean(model(x) ** 2)
 

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from beartype import beartype
-from helpers import loss_fn, rotated, scanned_model, to_numpy
+from helpers import HostSquare, HostStack, loss_fn, rotated, scanned_model, to_numpy
 from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
@@ -284,21 +284,6 @@ def test_h100_host_update_holds_less_device_memory_than_the_device_update():
     assert host.host["temp"] > device.host["temp"]  # the host computation's temporaries
 
 
-class _Square(eqx.Module):
-    w: jax.Array = ox.field(memory="pinned_host")
-
-    def __call__(self, x):
-        return jnp.tanh(ox.name(x, "x") @ self.w)
-
-
-class _Stack(eqx.Module):
-    layers: _Square
-    activations: ox.Activations = ox.activations(x="remat")
-
-    def __call__(self, x):
-        return ox.scan(self.layers, x)
-
-
 def _stack_step(opt):
     @ox.filter_jit(strategy="hybrid", donate="all")
     def step(model, state, x):
@@ -320,7 +305,7 @@ def test_h100_host_update_needs_no_more_device_memory_than_the_layer_streamed_on
         "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
     }[chain]
     layers, dim = 8, 1024
-    model = eqx.filter_eval_shape(lambda: _Stack(_Square(jnp.zeros((layers, dim, dim)))))
+    model = eqx.filter_eval_shape(lambda: HostStack(HostSquare(jnp.zeros((layers, dim, dim)))))
     x = jax.ShapeDtypeStruct((256, dim), jnp.float32)
     totals = {}
     for name, opt in {
@@ -333,7 +318,7 @@ def test_h100_host_update_needs_no_more_device_memory_than_the_layer_streamed_on
 
     # On the CPU, the same step's audit: each gradient sent once, no optimizer state moved.
     opt = ox.offload_optimizer(make(), update_on="host")
-    concrete = ox.place(_Stack(_Square(jnp.full((layers, 32, 32), 0.01))), "hybrid")
+    concrete = ox.place(HostStack(HostSquare(jnp.full((layers, 32, 32), 0.01))), "hybrid")
     state = opt.init(concrete)
     report = ox.audit(_stack_step(opt), concrete, state, jnp.ones((4, 32)))
     (sent,) = report.select("device-to-host", kind="gradient")

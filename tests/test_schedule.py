@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import HostSquare, HostStack
 
 import offload_eqx as ox
 from offload_eqx import Speeds
@@ -223,23 +224,8 @@ def _h100():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
 
 
-class _Square(eqx.Module):
-    w: jax.Array = ox.field(memory="pinned_host")
-
-    def __call__(self, x):
-        return jnp.tanh(ox.name(x, "x") @ self.w)
-
-
-class _Stack(eqx.Module):
-    layers: _Square
-    activations: ox.Activations = ox.activations(x="remat")
-
-    def __call__(self, x):
-        return ox.scan(self.layers, x)
-
-
 def _stack_step(strategy):
-    model = eqx.filter_eval_shape(lambda: _Stack(_Square(jnp.zeros((4, 512, 512)))))
+    model = eqx.filter_eval_shape(lambda: HostStack(HostSquare(jnp.zeros((4, 512, 512)))))
     x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     opt = ox.offload_optimizer(optax.adam(1e-3))
     state = eqx.filter_eval_shape(opt.init, model)

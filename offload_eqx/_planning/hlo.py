@@ -193,22 +193,25 @@ def _integer(instruction: Instruction | None) -> int | None:
         return None
 
 
+def _balanced(text: str) -> tuple[str, str]:
+    """`text` starts with '(': the inside of that parenthesis, and what follows it."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                return text[1:i], text[i + 1 :]
+    return text[1:], ""
+
+
 def parse_type(text: str) -> tuple[Type, str]:
     """The type at the start of `text` and the text after it."""
     text = text.lstrip()
     if text.startswith("("):
-        depth, items = 0, []
-        for i, ch in enumerate(text):
-            if ch in "({[":
-                depth += 1
-            elif ch in ")}]":
-                depth -= 1
-                if depth == 0:
-                    inner = text[1:i]
-                    rest = text[i + 1 :]
-                    break
-        else:
-            return (), ""
+        inner, rest = _balanced(text)
+        items: list[Type] = []
         while inner:
             inner = re.sub(r"^\s*(/\*[^*]*\*/)?\s*", "", inner)
             if not inner:
@@ -227,19 +230,6 @@ def parse_type(text: str) -> tuple[Type, str]:
     dtype, dims, layout = match.group(1), match.group(2), match.group(3) or ""
     shape = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
     return Array(dtype, shape, "S(5)" in layout), text[match.end() :]
-
-
-def _balanced(text: str) -> tuple[str, str]:
-    """`text` starts with '(': the inside of that parenthesis, and what follows it."""
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-            if depth == 0:
-                return text[1:i], text[i + 1 :]
-    return text[1:], ""
 
 
 def parse_instruction(line: str) -> tuple[Instruction, bool] | None:

@@ -52,7 +52,16 @@ _EVENT_LIMIT = 200_000
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One piece of work on one resource: seconds from the step's start."""
+    """One piece of work of a simulated step (`Simulation.events`).
+
+    - `resource`: `"compute"`, `"h2d"`, `"d2h"`, `"host"` or `"network"`.
+    - `name`: the compiled instruction (`fusion.12`, `copy-start.3`, ...).
+    - `start`, `end`: seconds from the step's start.
+    - `phase`: `"forward"`, `"backward"` or `"update"`, from the instruction's `op_name`.
+    - `op_name`: the instruction's metadata: where in the traced program it comes from.
+    - `flops`: its matmul and convolution FLOPs; `bytes`: what it moves (a copy engine's
+        bytes over the link; a kernel's bytes read and written).
+    """
 
     resource: str
     name: str
@@ -66,8 +75,19 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class Simulation:
-    """The simulated step: its time, each resource's busy time, what the compute stream
-    waited for, the costliest instructions, and (up to a limit) every event."""
+    """A compiled step run as events on the device's resources (`StepEstimate.simulation`).
+
+    - `seconds`: until every resource is idle.
+    - `busy`: seconds each resource works; `waited`: seconds the compute stream waits at
+        a `-done` for each other resource (`exposed` is their sum).
+    - `phase_seconds`, `phase_busy`: the same per phase (forward, backward, update).
+    - `flops`: the matmul and convolution FLOPs run, loops' trips included; `kernels`: the
+        kernels launched.
+    - `top`: the costliest instructions, `(name, op_name, resource, seconds)` over all
+        their executions.
+    - `events`: every `Event` in order (a loop's first 64 trips; `truncated` says when
+        some were not kept); `notes`: what could not be priced, and why.
+    """
 
     seconds: float
     busy: dict[str, float]
