@@ -74,8 +74,8 @@ from ._optimizer.optimizer import (
 )
 from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._planning.estimate import StepEstimate as StepEstimate, estimate as estimate
+from ._planning.events import Event as Event, Simulation as Simulation
 from ._planning.max_batch import max_batch as max_batch
-from ._planning.schedule import Event as Event, Simulation as Simulation
 from ._targets.targets import (
     TARGETS as TARGETS,
     Speeds as Speeds,

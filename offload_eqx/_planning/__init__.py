@@ -2,9 +2,10 @@
 
 - `flops`, `traced_time`: the work of a traced step per phase and the jaxpr count's
   time model (before any compile: what `ox.fit` orders candidates by);
-- `hlo`, `kernels`, `schedule`, `timeline`: the compiled program read from its text, each
-  instruction's cost as XLA formed it, the schedule run as events on the device's
-  resources, and the events written as a Chrome trace or drawn as a Gantt chart;
+- `hlo`, `kernels`, `events`, `schedule`, `timeline`: the compiled program read from its
+  text, each instruction's cost as XLA formed it, what a simulated step is made of, the
+  schedule run as events on the device's resources, and the events written as a Chrome
+  trace or drawn as a Gantt chart;
 - `estimate`: `ox.estimate`, from the compiled program where there is one;
 - `max_batch`: `ox.max_batch`, the largest batch that fits.
 

@@ -25,7 +25,8 @@ from .._jit.jit import FilterJit, filter_jit
 from .._sharding.host_compute import check_host_compute
 from .._targets.deviceless import program_of_step
 from .._targets.targets import Speeds, Target, get_target
-from .schedule import RESOURCES, Simulation, simulate
+from .events import RESOURCES, Simulation
+from .schedule import simulate
 from .timeline import plot_timeline, write_timeline
 from .traced_time import PHASES, Costs, PhaseTime, load_of, predict, speeds_of, trace_costs
 
@@ -187,8 +188,8 @@ class StepEstimate:
         busy = ", ".join(f"{r} {sim.busy[r] * 1e3:.3f}" for r in RESOURCES if sim.busy[r])
         waited = ", ".join(f"{r} {s * 1e3:.3f}" for r, s in sim.waited.items()) or "nothing"
         lines = [
-            f"Compiled schedule: {sim.kernels} kernels; busy (ms): {busy}; the compute "
-            f"stream waits for {waited} (ms). The jaxpr count predicts "
+            f"Compiled schedule: {sim.kernels} kernels; busy (ms): {busy}.",
+            f"The compute stream waits for {waited} (ms); the jaxpr count predicts "
             f"{(self.traced_seconds or 0) * 1e3:.3f} ms.",
             "Costliest instructions (ms, all executions):",
         ]

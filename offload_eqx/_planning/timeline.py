@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from .schedule import RESOURCES, Simulation
+from .events import RESOURCES, Simulation
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868"}
 
