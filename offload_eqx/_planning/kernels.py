@@ -42,15 +42,6 @@ class Work:
     host_write: float = 0.0  # bytes written to host memory: device-to-host
     transposes: bool = False  # the kernel transposes: its device bytes move strided
 
-    def __add__(self, other: "Work") -> "Work":
-        return Work(
-            self.flops + other.flops,
-            self.device_bytes + other.device_bytes,
-            self.host_read + other.host_read,
-            self.host_write + other.host_write,
-            self.transposes or other.transposes,
-        )
-
 
 def group_size(instruction: Instruction) -> int:
     """The devices in each replica group of a collective: `{{0,1,2,3}}`, the iota form

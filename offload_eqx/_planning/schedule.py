@@ -70,13 +70,8 @@ class _Simulator:
 
     # -- pricing ------------------------------------------------------------------------
 
-    def kernel_seconds(self, work: Work, host: bool = False) -> float:
+    def kernel_seconds(self, work: Work) -> float:
         s = self.speeds
-        if host:
-            return max(
-                work.flops / s.host_flops,
-                (work.device_bytes + work.host_read + work.host_write) / s.host_bandwidth,
-            )
         strided = work.transposes and s.transpose_bandwidth
         return s.kernel_launch + max(
             work.flops / (s.flops * s.efficiency),
@@ -225,7 +220,6 @@ class _Simulator:
             if moved:  # a kernel reading or writing host memory holds the link while it runs
                 self.free[resource] = max(self.free[resource], start) + moved / rate
                 self.busy[resource] += moved / rate
-        self.free["compute"] = self.clock
 
     def first_touch(self, temp_bytes: int) -> None:
         """The temporary buffer's pages, new to the process, faulted in as first written."""
