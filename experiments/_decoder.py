@@ -31,7 +31,9 @@ import offload_eqx as ox
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Shape of the decoder. Heads are full multi-head attention (no grouped keys)."""
+    """Shape of the decoder. `kv_heads` below `heads` is grouped-query attention (each
+    key/value head serves `heads // kv_heads` query heads); by default every head has its
+    own keys and values."""
 
     name: str
     vocab: int
@@ -40,10 +42,17 @@ class Config:
     layers: int
     heads: int
     seq: int
+    kv_heads: int | None = None
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k and v projections."""
+        return self.dim // self.heads * (self.kv_heads or self.heads)
 
     @property
     def parameters(self) -> int:
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn + 2 * self.dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
+        per_layer = attention + 3 * self.dim * self.ffn + 2 * self.dim
         return self.layers * per_layer + 2 * self.vocab * self.dim + self.dim
 
 
@@ -56,6 +65,10 @@ CONFIGS = {
     "8B": Config("8B", vocab=32000, dim=4096, ffn=14336, layers=32, heads=32, seq=2048),
     # Llama-2-13B's shape (the TPU blog's MaxText run), untied embeddings: 13.0B parameters.
     "13B": Config("13B", vocab=32000, dim=5120, ffn=13824, layers=40, heads=40, seq=2048),
+    # Llama-2-70B's shape: 64 query heads sharing 8 key/value heads, 68.98B parameters.
+    "70B": Config(
+        "70B", vocab=32000, dim=8192, ffn=28672, layers=80, heads=64, seq=4096, kv_heads=8
+    ),
     # Trained on the CPU.
     "tiny": Config("tiny", vocab=256, dim=64, ffn=128, layers=3, heads=4, seq=32),
 }
@@ -97,6 +110,7 @@ class Block(eqx.Module):
     w_up: jax.Array = ox.field(memory="device")
     w_down: jax.Array = ox.field(memory="device")
     heads: int = eqx.field(static=True, default=1)
+    kv_heads: int | None = eqx.field(static=True, default=None)  # None: as many as `heads`
     # The TPU blog's choice: q, k, v projections go to host memory after the forward pass
     # and come back for the backward pass; every other value of the layer is recomputed.
     # The layer input is named too, so a strategy can offload it; by default it is
@@ -113,11 +127,14 @@ class Block(eqx.Module):
         q = ox.name(h @ self.wq, "q")
         k = ox.name(h @ self.wk, "k")
         v = ox.name(h @ self.wv, "v")
-        split = (batch, seq, self.heads, head_dim)
+        kv_heads = self.kv_heads or self.heads
         positions = jnp.arange(seq)
-        q = rotary(q.reshape(split), positions)
-        k = rotary(k.reshape(split), positions)
-        v = v.reshape(split)
+        q = rotary(q.reshape(batch, seq, self.heads, head_dim), positions)
+        k = rotary(k.reshape(batch, seq, kv_heads, head_dim), positions)
+        v = v.reshape(batch, seq, kv_heads, head_dim)
+        if kv_heads != self.heads:  # grouped-query attention: each k/v head serves a group
+            k = jnp.repeat(k, self.heads // kv_heads, axis=2)
+            v = jnp.repeat(v, self.heads // kv_heads, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
@@ -162,7 +179,7 @@ class Decoder(eqx.Module):
 
 def make_decoder(config: Config, key, dtype=jnp.bfloat16) -> Decoder:
     """Initialise a decoder (scaled normal weights, unit norms) in `dtype`."""
-    d, f = config.dim, config.ffn
+    d, f, kv = config.dim, config.ffn, config.kv_dim
 
     def normal(key, shape, fan_in):
         return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
@@ -172,14 +189,15 @@ def make_decoder(config: Config, key, dtype=jnp.bfloat16) -> Decoder:
         return Block(
             attention_norm=RMSNorm(jnp.ones((d,), dtype)),
             wq=normal(keys[0], (d, d), d),
-            wk=normal(keys[1], (d, d), d),
-            wv=normal(keys[2], (d, d), d),
+            wk=normal(keys[1], (d, kv), d),
+            wv=normal(keys[2], (d, kv), d),
             wo=normal(keys[3], (d, d), d),
             mlp_norm=RMSNorm(jnp.ones((d,), dtype)),
             w_gate=normal(keys[4], (d, f), d),
             w_up=normal(keys[5], (d, f), d),
             w_down=normal(keys[6], (f, d), f),
             heads=config.heads,
+            kv_heads=config.kv_heads,
         )
 
     k_embed, k_layers, k_head = jax.random.split(key, 3)

@@ -7,6 +7,7 @@ results, `S(5)` host layouts, `known_trip_count`, `async-start` wrapping a compu
 
 import dataclasses
 import json
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -428,3 +429,45 @@ def test_a_trip_count_is_read_from_the_condition_when_xla_prints_none():
     assert module.trip_count(main, main.by_name["loop"]) == 5
     le = parse_module(COUNTED.replace("direction=LT", "direction=LE"))
     assert le.trip_count(le.entry_computation, le.entry_computation.by_name["loop"]) == 6
+
+
+@pytest.mark.deviceless
+def test_with_speeds_prices_the_same_program_again_without_compiling():
+    """`StepEstimate.with_speeds`: a faster host link shortens the waits for the layer
+    fetches; unchanged speeds give the same answer; the memory is the compile's."""
+    _h100()
+    step, args = _stack_step("hybrid")
+    estimate = ox.estimate(step, *args, target="h100")
+    speeds = _speeds("h100")
+    with mock.patch("offload_eqx._planning.estimate.compiled_report") as compile_again:
+        same = estimate.with_speeds()
+        fast = estimate.with_speeds(
+            h2d_bandwidth=10 * speeds.h2d_bandwidth, d2h_bandwidth=10 * speeds.d2h_bandwidth
+        )
+    compile_again.assert_not_called()
+    assert same.seconds == pytest.approx(estimate.seconds, rel=1e-12)
+    assert same.traced_seconds == pytest.approx(estimate.traced_seconds, rel=1e-12)
+    sim, fast_sim = _simulation(estimate), _simulation(fast)
+    assert fast.speeds.h2d_bandwidth == 10 * speeds.h2d_bandwidth
+    # Each copy's bytes move ten times faster; its launch cost stays.
+    launches = speeds.kernel_launch * sum(e.resource == "h2d" for e in sim.events)
+    expected = (sim.busy["h2d"] - launches) / 10 + launches
+    assert fast_sim.busy["h2d"] == pytest.approx(expected, rel=1e-6)
+    assert fast_sim.waited["h2d"] < sim.waited["h2d"] and fast.seconds < estimate.seconds
+    assert fast_sim.busy["compute"] == pytest.approx(sim.busy["compute"], rel=1e-12)
+    assert (fast.device_bytes, fast.host_bytes) == (estimate.device_bytes, estimate.host_bytes)
+    assert fast.traced_seconds is not None and estimate.traced_seconds is not None
+    assert fast.traced_seconds <= estimate.traced_seconds
+
+
+def test_with_speeds_refuses_what_is_not_a_speed():
+    w = jnp.ones((64, 64))
+    estimate = ox.estimate(lambda w, x: jnp.sum(x @ w), w, w, target="cpu", compile=False)
+    with pytest.raises(TypeError, match=r"with_speeds\(h2d=\.\.\.\).*h2d_bandwidth"):
+        estimate.with_speeds(h2d=1e9)
+    with pytest.raises(ValueError, match=r"ox.Speeds\(h2d_bandwidth=-1\.0\)"):
+        estimate.with_speeds(h2d_bandwidth=-1.0)
+    half = {"flops": estimate.speeds.flops / 2}
+    half["memory_bandwidth"] = estimate.speeds.memory_bandwidth / 2
+    slower = estimate.with_speeds(**half)
+    assert slower.model == "traced" and slower.seconds > estimate.seconds

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
-from .._trace.state import active_plan
+from .._trace.state import active_plan, argument_path
 from .checks import check_elementwise, check_per_leaf, is_stacked
 from .host import HostUpdate
 from .state import (
@@ -87,6 +87,25 @@ def _write(buffer: Any, value: Any, i: Any) -> Any:
     first when `buffer` is host-typed (XLA then updates the host buffer in place)."""
     value = to_host(value) if is_host_typed(buffer) else to_device(value)
     return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
+
+
+def _sharded_like_its_leaf(grad: Any, leaf_state: Any, param: Any) -> Any:
+    """On a mesh, `grad` constrained to the sharding the plan gives the parameter it
+    mirrors (without parameters, its optimizer state's). The per-layer loop then slices
+    the gradient, the parameter and the state alike; left to the partitioner, a gradient
+    sharded as the backward pass made it (FSDP: on another axis) is resharded whole,
+    every stacked layer of it, on each trip of the loop."""
+    plan = active_plan()
+    if plan is None or plan.mesh is None:
+        return grad
+    memory = "pinned_host" if is_host_typed(grad) else "device"
+    mirrors = [param, *jax.tree_util.tree_leaves(leaf_state)]
+    for leaf in mirrors:
+        if eqx.is_array(leaf) and np.shape(leaf) == np.shape(grad):
+            sharding = plan.mirrored_sharding(argument_path(leaf), memory)
+            if sharding is not None:
+                return jax.lax.with_sharding_constraint(grad, sharding)
+    return grad
 
 
 def _zeros_like(shape: Any) -> Any:
@@ -316,6 +335,8 @@ class StreamedUpdate:
     def _one_leaf(self, grad, leaf_state, param, extra_args, apply, token):
         streamed = is_stacked(grad, self.layers)
         compute = self._streamed if streamed else self._whole
+        if streamed:
+            grad = _sharded_like_its_leaf(grad, leaf_state, param)
 
         def run(grad, leaf_state, param):
             out, new_state = compute(grad, leaf_state, param, extra_args, apply)

@@ -197,6 +197,17 @@ class Plan:
             treedef, [None if i is None else self.leaves[i].sharding for i in indices]
         )
 
+    def mirrored_sharding(self, path: str | None, memory: str) -> NamedSharding | None:
+        """How a value that mirrors the argument leaf at `path` (its gradient, its
+        update) is sharded over the mesh: as that leaf, in `memory`. None off a mesh, or
+        for a path that names no leaf sharded by a spec."""
+        if self.mesh is None or path is None:
+            return None
+        for leaf in self.leaves:
+            if leaf.path == path and isinstance(leaf.sharding, NamedSharding):
+                return NamedSharding(self.mesh, leaf.sharding.spec, memory_kind=memory)
+        return None
+
     def donated(
         self, donate: str, out_treedef: Any, out_mask: Sequence[bool], out_avals, keep_root
     ) -> tuple:

@@ -28,7 +28,16 @@ from .._targets.targets import Speeds, Target, get_target
 from .events import RESOURCES, Simulation
 from .schedule import simulate
 from .timeline import plot_timeline, write_timeline
-from .traced_time import PHASES, Costs, PhaseTime, load_of, predict, speeds_of, trace_costs
+from .traced_time import (
+    PHASES,
+    Costs,
+    PhaseTime,
+    load_of,
+    predict,
+    priced_at,
+    speeds_of,
+    trace_costs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +86,42 @@ class StepEstimate:
     # The jaxpr count's prediction; `seconds` is the compiled program's where simulated.
     traced_seconds: float | None = None
     simulation: Simulation | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The trace the jaxpr count priced, to price again (`with_speeds`).
+    costs: Costs | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def model(self) -> str:
         """`"compiled"`: `seconds` simulates the compiled program's schedule;
         `"traced"`: it is the jaxpr count's (`compile=False`)."""
         return "traced" if self.simulation is None else "compiled"
+
+    def with_speeds(self, **changes: Any) -> "StepEstimate":
+        """The same program priced at other speeds, without another trace or compile:
+        `estimate.with_speeds(h2d_bandwidth=450e9, d2h_bandwidth=450e9)` asks how fast the
+        step would be over a faster host link. Each keyword is a field of `ox.Speeds`
+        (checked as `ox.Speeds` checks it); the compiled schedule is simulated again (and
+        the jaxpr count priced again) with the changed rates, memory unchanged."""
+        allowed = {f.name for f in dataclasses.fields(Speeds)}
+        unknown = sorted(set(changes) - allowed)
+        if unknown:
+            raise TypeError(
+                f"StepEstimate.with_speeds({', '.join(unknown)}=...): not a field of "
+                f"ox.Speeds; expected some of {', '.join(sorted(allowed))}."
+            )
+        if self.costs is None or self.costs.jaxpr is None:
+            raise ValueError(
+                "StepEstimate.with_speeds(): this estimate was built by hand, without the "
+                "trace `ox.estimate` prices; make it with `ox.estimate`."
+            )
+        speeds = dataclasses.replace(self.speeds, **changes)
+        traced, phases = predict(load_of(priced_at(self.costs, speeds)), speeds)
+        repriced = dataclasses.replace(
+            self, speeds=speeds, seconds=traced, phases=phases, traced_seconds=traced
+        )
+        if self.simulation is None or self.simulation.program is None:
+            return dataclasses.replace(repriced, simulation=None)
+        program, temp = self.simulation.program, self.simulation.temp_bytes
+        return with_simulation(repriced, simulate(program, speeds, temp))
 
     def timeline(self, path: str) -> str:
         """Write the simulated step as Chrome trace-event JSON (open it in Perfetto,
@@ -238,6 +277,7 @@ def estimate_from(
         notes=tuple((p, w.note) for p, w in costs.work.items() if w.note),
         traced_seconds=traced,
         simulation=simulation,
+        costs=costs,
     )
 
 

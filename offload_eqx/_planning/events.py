@@ -2,6 +2,7 @@
 that sums them (`schedule.py` produces them; `timeline.py` draws them)."""
 
 import dataclasses
+from typing import Any
 
 RESOURCES: tuple[str, ...] = ("compute", "h2d", "d2h", "host", "network")
 
@@ -56,6 +57,10 @@ class Simulation:
     events: tuple[Event, ...]
     notes: tuple[str, ...] = ()
     truncated: bool = False  # events beyond `_EVENT_LIMIT` (or repeated trips) not kept
+    # What was simulated, to run again at other speeds: the parsed module and the
+    # temporary bytes first touched.
+    program: Any = dataclasses.field(default=None, repr=False, compare=False)
+    temp_bytes: int = 0
 
     @property
     def exposed(self) -> float:

@@ -28,6 +28,7 @@ is idle. Each event is labelled with its phase (forward, backward, update) by it
 `op_name` metadata, the rule the jaxpr count uses.
 """
 
+import dataclasses
 from typing import Any
 
 from .._base.primitives import phase_of
@@ -408,4 +409,4 @@ def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0)
     if temp_bytes and speeds.first_touch_bandwidth:
         simulator.first_touch(temp_bytes)
     simulator.run(module.entry)
-    return simulator.result()
+    return dataclasses.replace(simulator.result(), program=module, temp_bytes=temp_bytes)

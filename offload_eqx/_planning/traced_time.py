@@ -94,17 +94,24 @@ class Costs:
 def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], speeds: Speeds) -> Costs:
     """Trace `step` once (nothing compiled): its work priced at `speeds`, its transfers."""
     report, jaxpr = audit_traced(step, *args, **kwargs)
-    device_rate = speeds.flops * speeds.efficiency
-    work = count_work(
+    plan = step.plan(*args, **kwargs)
+    devices = 1 if plan.mesh is None else int(np.prod(list(plan.mesh.shape.values())))
+    return Costs(_work(jaxpr, speeds), tuple(report.transfers), devices, jaxpr)
+
+
+def priced_at(costs: Costs, speeds: Speeds) -> Costs:
+    """The same trace's work priced again at other `speeds` (no trace)."""
+    return dataclasses.replace(costs, work=_work(costs.jaxpr, speeds))
+
+
+def _work(jaxpr: Any, speeds: Speeds) -> Mapping[str, PhaseWork]:
+    return count_work(
         jaxpr,
-        flop_rate=device_rate,
+        flop_rate=speeds.flops * speeds.efficiency,
         byte_rate=speeds.memory_bandwidth,
         host_flop_rate=speeds.host_flops,
         host_byte_rate=speeds.host_bandwidth,
     )
-    plan = step.plan(*args, **kwargs)
-    devices = 1 if plan.mesh is None else int(np.prod(list(plan.mesh.shape.values())))
-    return Costs(work, tuple(report.transfers), devices, jaxpr)
 
 
 @dataclasses.dataclass(frozen=True)
