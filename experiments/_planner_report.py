@@ -8,7 +8,8 @@ from pathlib import Path
 from _report import format_table, pyplot
 
 GB = 1e9
-# Host-link bandwidths (GB/s, both directions) the presets are re-priced at.
+# Host-link bandwidths (GB/s, host-to-device) the presets' compiled programs are
+# simulated again at (`StepEstimate.with_speeds`).
 LINKS = (4, 8, 16, 32, 64)
 
 
@@ -31,6 +32,7 @@ def preset_table(results: list[dict]) -> str:
         "target",
         "plan",
         "step ms",
+        "count ms",
         "tokens/s",
         "MFU counted",
         "MFU 6NT",
@@ -68,6 +70,7 @@ def comparison_table(results: list[dict]) -> str:
         "config",
         "target",
         "qkv vs full remat",
+        "by the count",
         "fwd+bwd only",
         "no overlap",
         *(f"link {bw} GB/s" for bw in LINKS),
@@ -87,6 +90,7 @@ def comparison_table(results: list[dict]) -> str:
                 r["config"],
                 r["target"],
                 f"{c['qkv_vs_remat']:+.1%}",
+                f"{c['qkv_vs_remat_traced']:+.1%}",
                 f"{c['qkv_vs_remat_fwd_bwd']:+.1%}",
                 f"{c['qkv_vs_remat_no_overlap']:+.1%}",
                 *(f"{c['qkv_vs_remat_at_link'][str(bw)]:+.1%}" for bw in LINKS),

@@ -133,23 +133,29 @@ class Progress:
             print(f"    [{now - self.start:5.1f} s] {self.prefix} {line}", flush=True)
 
 
-def _compile(step, args: tuple, target: str) -> dict:
-    """Device and host bytes of `step` compiled for `target`, or why it did not compile."""
+def _failure(error: Exception) -> dict:
+    """Why a preset did not compile: out of memory, refused, or a compiler crash."""
+    text = str(error)
+    out_of_memory = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    refused = isinstance(error, ValueError) and "does not support" in text
+    why = (
+        "out of memory (compiler)"
+        if out_of_memory
+        else "refused by offload_eqx"
+        if refused
+        else "compiler crashed"
+    )
+    return {"device": None, "host": None, "error": f"{why}: {text.splitlines()[0][:200]}"}
+
+
+def _estimate(step, args: tuple, target: str) -> tuple[Any, dict]:
+    """The preset compiled for `target` and its schedule simulated, with its memory; where
+    the compile fails, the jaxpr count's estimate and why."""
     try:
-        report = ox.memory_report(step, *args, target=target)
+        estimate = ox.estimate(step, *args, target=target)
     except Exception as error:  # a compiler refusal or crash: recorded, the run goes on
-        text = str(error)
-        out_of_memory = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        refused = isinstance(error, ValueError) and "does not support" in text
-        why = (
-            "out of memory (compiler)"
-            if out_of_memory
-            else "refused by offload_eqx"
-            if refused
-            else "compiler crashed"
-        )
-        return {"device": None, "host": None, "error": f"{why}: {text.splitlines()[0][:200]}"}
-    return {"device": report.total, "host": report.host_total, "error": None}
+        return ox.estimate(step, *args, target=target, compile=False), _failure(error)
+    return estimate, {"device": estimate.device_bytes, "host": estimate.host_bytes, "error": None}
 
 
 def _row(name: str, estimate: Any, memory: dict, config: Config, target: ox.Target) -> dict:
@@ -166,6 +172,8 @@ def _row(name: str, estimate: Any, memory: dict, config: Config, target: ox.Targ
         "plan": name,
         "strategy": estimate.strategy,
         "seconds": estimate.seconds,
+        "traced_seconds": estimate.traced_seconds,
+        "model": estimate.model,
         "tokens_per_s": tokens / estimate.seconds,
         "mfu_counted": estimate.mfu(),
         "mfu_6nt": estimate.mfu(6 * config.parameters * tokens),
@@ -181,35 +189,36 @@ def _row(name: str, estimate: Any, memory: dict, config: Config, target: ox.Targ
     }
 
 
-def _repriced(phases: dict, link: float, overlap: bool = True) -> float:
-    """Seconds of a step from its phase breakdown with every copy `link` times slower
-    (the time model of `ox.estimate`), or with nothing overlapped."""
-    total = 0.0
-    for p in phases.values():
-        h2d, d2h, exposed = p["h2d"] * link, p["d2h"] * link, p["exposed"] * link
-        if overlap:
-            total += max(p["compute"], h2d, d2h, p["host"]) + exposed
-        else:
-            total += p["compute"] + h2d + d2h + p["host"]
-    return total
+def _no_overlap(phases: dict) -> float:
+    """Seconds of a step with nothing overlapped: each phase takes its compute, both
+    copies and its host work one after the other."""
+    return sum(p["compute"] + p["h2d"] + p["d2h"] + p["host"] for p in phases.values())
 
 
-def _break_even(offloaded: dict, remat: dict, speeds: ox.Speeds) -> float | None:
+def _at_link(estimate: Any, bandwidth: float) -> Any:
+    """The same compiled program simulated again with a host link of `bandwidth` bytes/s
+    host-to-device (device-to-host scaled alike)."""
+    speeds = estimate.speeds
+    scale = bandwidth / speeds.h2d_bandwidth
+    return estimate.with_speeds(h2d_bandwidth=bandwidth, d2h_bandwidth=speeds.d2h_bandwidth * scale)
+
+
+def _break_even(offloaded: Any, remat: Any) -> float | None:
     """The host-to-device bandwidth (GB/s; device-to-host scaled alike) below which
-    `offloaded` is predicted slower than `remat` (None: faster down to 0.1 GB/s; inf:
-    slower even at ten times the target's link)."""
-    nominal = speeds.h2d_bandwidth / GB
+    `offloaded` is predicted slower than `remat`, its compiled program simulated at each
+    bandwidth (None: faster down to 0.1 GB/s; inf: slower even at ten times the
+    target's link)."""
+    nominal = offloaded.speeds.h2d_bandwidth / GB
 
     def gain(bandwidth: float) -> float:
-        scale = nominal / bandwidth
-        return _repriced(remat["phases"], 1.0) - _repriced(offloaded["phases"], scale)
+        return remat.seconds - _at_link(offloaded, bandwidth * GB).seconds
 
     low, high = 0.1, 10 * nominal
     if gain(high) <= 0:
         return float("inf")  # slower even at ten times the link's bandwidth
     if gain(low) > 0:
         return None
-    for _ in range(40):
+    for _ in range(16):  # to within 2.5% of the bandwidth
         middle = (low * high) ** 0.5
         low, high = (low, middle) if gain(middle) > 0 else (middle, high)
     return high
@@ -251,19 +260,15 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
     }
     print(f"    searched in {search['seconds']:.1f} s", flush=True)
     candidates = list(result.candidates) if result else []
-    compiled = {_policies(c.strategy): c for c in candidates if c.device_bytes is not None}
 
-    rows = []
+    rows, estimates = [], {}
     for name, preset in PRESETS.items():
-        step = make_step(optimizer, preset)
-        estimate = ox.estimate(step, *args, target=target_name, compile=False)
-        known = compiled.get(_policies(preset))
-        if known is not None:
-            memory = {"device": known.device_bytes, "host": known.host_bytes, "from": "ox.fit"}
-        else:
-            memory = {**_compile(step, args, target_name), "from": "compiled here"}
-            print(f"    compiled {name}", flush=True)
-        rows.append(_row(name, estimate, memory, config, target))
+        # Each preset compiled (its memory, its schedule simulated), even where the
+        # search compiled the same plan: the search keeps only its chosen plan's program.
+        estimate, memory = _estimate(make_step(optimizer, preset), args, target_name)
+        print(f"    compiled {name}", flush=True)
+        estimates[name] = estimate
+        rows.append(_row(name, estimate, {**memory, "from": "compiled here"}, config, target))
     if result is not None:
         chosen = result.estimate
         memory = {"device": chosen.device_bytes, "host": chosen.host_bytes, "from": "ox.fit"}
@@ -273,30 +278,28 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
 
     by_name = {r["plan"]: r for r in rows}
     remat, qkv = by_name["full_remat"], by_name["qkv_offloaded"]
+    remat_estimate, qkv_estimate = estimates["full_remat"], estimates["qkv_offloaded"]
     # The same full-remat step with the whole-state update (`ox.offload_optimizer`
-    # without a stream), priced only: how much of the step the streamed update's price is.
+    # without a stream), compiled like the presets: how much of the step the streamed
+    # update's price is.
     whole_model, whole_state = abstract_state(config, "full_remat")
-    whole = ox.estimate(
+    whole, _ = _estimate(
         make_step(optimizer_for("full_remat", config), PRESETS["full_remat"]),
-        whole_model,
-        whole_state,
-        tokens,
-        target=target_name,
-        compile=False,
+        (whole_model, whole_state, tokens),
+        target_name,
     )
     comparison = {
         "qkv_vs_remat": 1 - qkv["seconds"] / remat["seconds"],
         "qkv_vs_remat_fwd_bwd": 1
         - sum(qkv["phases"][p]["seconds"] for p in ("forward", "backward"))
         / sum(remat["phases"][p]["seconds"] for p in ("forward", "backward")),
-        "qkv_vs_remat_no_overlap": 1
-        - _repriced(qkv["phases"], 1.0, overlap=False) / _repriced(remat["phases"], 1.0, False),
+        "qkv_vs_remat_traced": 1 - qkv["traced_seconds"] / remat["traced_seconds"],
+        "qkv_vs_remat_no_overlap": 1 - _no_overlap(qkv["phases"]) / _no_overlap(remat["phases"]),
         "qkv_vs_remat_at_link": {
-            str(bw): 1
-            - _repriced(qkv["phases"], target.speeds.h2d_bandwidth / (bw * GB)) / remat["seconds"]
+            str(bw): 1 - _at_link(qkv_estimate, bw * GB).seconds / remat_estimate.seconds
             for bw in LINKS
         },
-        "break_even_link": _break_even(qkv, remat, target.speeds),
+        "break_even_link": _break_even(qkv_estimate, remat_estimate),
         "recompute_saved": remat["recompute_flops"] - qkv["recompute_flops"],
         "recompute_saved_share": (remat["recompute_flops"] - qkv["recompute_flops"])
         / remat["flops"],

@@ -28,13 +28,26 @@ def fixed_estimates(problem):
     return fixed_estimates_of(problem)
 
 
-def test_ample_budget_recomputes_and_offloads_nothing(problem):
+def test_ample_budget_moves_nothing_and_answers_with_the_fastest_simulated_plan(problem):
     result = ox.fit(_step(problem, "annotated"), *problem[1], target="h100")
-    assert result.estimate.recompute_flops == 0
     assert result.estimate.h2d_bytes == result.estimate.d2h_bytes == 0
-    assert result.strategy.activations == "save"
     assert (result.strategy.params, result.strategy.optimizer) == ("device", "device")
     assert result.compiles <= 12
+    # The jaxpr count's best plan saves everything and recomputes nothing; it was
+    # compiled, and so were the plans the count put just behind it. The answer is the
+    # fastest of them by the compiled schedule (within 0.5%, the one the count ranks
+    # first): at this size, where each kernel is a few microseconds, saving every
+    # residual costs more kernels than recomputing most.
+    simulated = {c.label: c.simulated_seconds for c in result.candidates if c.simulated_seconds}
+    counted_best = min(
+        (c for c in result.candidates if c.simulated_seconds), key=lambda c: c.seconds
+    )
+    assert counted_best.strategy.activations == "save" and counted_best.recompute_flops == 0
+    assert len(simulated) >= 2
+    (best,) = [c for c in result.candidates if c.status == "best"]
+    assert best.simulated_seconds <= min(simulated.values()) * 1.005
+    assert result.estimate.seconds == pytest.approx(best.simulated_seconds)
+    assert result.strategy == best.strategy
     # The scan's carry is named but never offered: the scan keeps it anyway.
     assert any("'block_input' is the carry" in note for note in result.notes)
     # A part that cannot be searched is explained by its error's whole first sentence.

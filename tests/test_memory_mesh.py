@@ -154,7 +154,11 @@ def _training(mesh, fsdp) -> dict:
         assert estimate.simulation is not None
         out[strategy] = {
             "collectives": sorted(
-                {e.name.split(".")[0] for e in estimate.simulation.events if e.resource == "network"}
+                {
+                    e.name.split(".")[0]
+                    for e in estimate.simulation.events
+                    if e.resource == "network"
+                }
             ),
             "device": estimate.device_bytes,
         }

@@ -24,7 +24,12 @@ The search, step by step as `fit` below calls them (each step's module in bracke
 4. **Refine** (`refine`): between the best plan that fits and each faster plan that
    does not, the amount in between (a name saved in `k` of `L` layers, the `h` largest
    leaves on the host) is found by bisection over compiles.
-5. **Explain** (`result`): the result, or an error saying what was shown: that no plan
+5. **Check by simulation** (`search`): every compiled plan that fits has its
+   compiled program's schedule simulated; up to `CHECKS` more plans that the jaxpr count
+   ranked behind the best, but below the fastest simulated time, are compiled too, and
+   the plan returned is the fastest simulated one. The count cannot see collectives,
+   exposed copies or fusion; the simulation can.
+6. **Explain** (`result`): the result, or an error saying what was shown: that no plan
    fits (the least memory found, by the most frugal plan), or which plans that might fit
    were left untried when the compiles ran out, and which compiles crashed.
 """
@@ -40,7 +45,7 @@ from .._targets.targets import get_target
 from .price import find_space, price
 from .refine import refine
 from .result import FitResult, explain, result_of
-from .search import Search, compile_in_order
+from .search import Search, check_by_simulation, compile_in_order
 
 _NO_BUDGET = "ox.fit: target {target!r} has no known device memory; pass `device_budget=` in bytes."
 
@@ -81,10 +86,13 @@ def fit(
     (`("save", k, "offload")`) and the largest leaves on the host. A name that is a scan's
     loop carry is not searched (`FitResult.notes` says why).
 
-    How: every candidate is priced from a few traces (no compile), candidates are
-    compiled in order of predicted time until the rest are predicted slower than the
-    best plan that fits, and a plan that keeps at least what an over-budget plan of the
-    same base and placement kept is not compiled. The planning guide of the
+    How: every candidate is priced by the jaxpr count from a few traces (no compile),
+    candidates are compiled in order of that time until the rest are predicted slower
+    than the best plan that fits, and a plan that keeps at least what an over-budget plan
+    of the same base and placement kept is not compiled. Each compiled plan that fits is
+    priced again by simulating its compiled schedule (collectives, exposed copies), a
+    few plans the count ranked just behind are compiled to check its order, and the plan
+    returned is the fastest simulated one. The planning guide of the
     documentation site ("Planning: estimate, fit, max_batch") has an example.
 
     **Returns:** an `ox.FitResult`: `.strategy` (an `ox.Strategy` for `ox.filter_jit`),
@@ -113,7 +121,9 @@ def fit(
         # 4. Between the best plan that fits and faster ones that do not (`refine`).
         if search.best is not None:
             refine(search, loads, search.best[2].seconds)
-        # 5. The answer, or what was shown (`result`): with nothing fitting, the most frugal
+            # 4b. The count's order checked by simulation on a few more plans (`search`).
+            check_by_simulation(search, loads)
+        # 6. The answer, or what was shown (`result`): with nothing fitting, the most frugal
         #    plan is compiled if it was not, since it may fit and shows the least memory.
         frugal = search.rows.get(space.frugal())
         measured = frugal is not None and frugal.device_bytes is not None

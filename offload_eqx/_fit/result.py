@@ -80,6 +80,7 @@ class FitResult:
             (
                 c.label,
                 f"{c.seconds * 1e3:.3f}",
+                "-" if c.simulated_seconds is None else f"{c.simulated_seconds * 1e3:.3f}",
                 format_bytes(int(c.moved)),
                 "-" if c.device_bytes is None else format_bytes(c.device_bytes),
                 "-" if c.host_bytes is None else format_bytes(c.host_bytes),
@@ -96,7 +97,9 @@ class FitResult:
                 f"{self.seconds_searching:.1f} s)",
                 *self.notes,
                 format_table(
-                    ("plan", "ms", "moved", "device", "host", "status"), rows, numeric=False
+                    ("plan", "ms", "sim ms", "moved", "device", "host", "status"),
+                    rows,
+                    numeric=False,
                 ),
                 *more,
             ]
@@ -107,7 +110,8 @@ class FitResult:
         if self.estimate.simulation is None or traced is None:
             return ""
         return (
-            f" from its compiled program; the jaxpr count, the ms column, says {traced * 1e3:.3f}"
+            f" from its compiled program, the sim ms column; the jaxpr count, the ms "
+            f"column, says {traced * 1e3:.3f}"
         )
 
     def __str__(self) -> str:
@@ -156,16 +160,17 @@ def explain(search: Search, space: Space) -> ValueError:
 
 
 def result_of(search: Search, notes: list[str], started: float) -> FitResult:
-    assert search.best is not None
-    _, choice, chosen = search.best
+    fastest = search.fastest_simulated()
+    assert fastest is not None
+    choice, chosen = fastest
     candidates = [
         dataclasses.replace(
             row, strategy=c.strategy(search.fixed), status="best" if c == choice else row.status
         )
         for c, row in search.rows.items()
     ]
-    if chosen.simulation is not None:
-        chosen = with_simulation(chosen, chosen.simulation)
+    assert chosen.simulation is not None
+    chosen = with_simulation(chosen, chosen.simulation)
     return FitResult(
         strategy=choice.strategy(search.fixed),
         estimate=chosen,

@@ -58,6 +58,10 @@ def is_out_of_memory(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+# Plans compiled after the search only to check the jaxpr count's order by simulation.
+CHECKS = 3
+
+
 def _share(policy: Any, wanted: str, layers: int) -> float:
     """The share of a name's layers in which its policy is `wanted`."""
     if isinstance(policy, LayerSplit):
@@ -92,6 +96,8 @@ class Search:
     rows: dict = dataclasses.field(default_factory=dict)  # Choice -> Candidate
     crashed: dict = dataclasses.field(default_factory=dict)  # placement -> [first lines]
     best: tuple | None = None  # (key, choice, estimate) of the best plan that fits
+    # Every compiled plan that fits: its count's key and its estimate (schedule simulated).
+    fitting: dict = dataclasses.field(default_factory=dict)  # Choice -> (key, StepEstimate)
     least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
 
     def __post_init__(self):
@@ -236,9 +242,9 @@ class Search:
         self.compiles += 1
         moved = exact.h2d_bytes + exact.d2h_bytes
 
-        def row(device=None, host=None, status="fits") -> Candidate:
+        def row(device=None, host=None, status="fits", simulated=None) -> Candidate:
             seconds, flops = exact.seconds, exact.recompute_flops
-            return Candidate(label, None, seconds, moved, flops, device, host, status)
+            return Candidate(label, None, seconds, moved, flops, device, host, status, simulated)
 
         try:
             program = program_of_step(self.wrapper(choice), self.args, dict(self.kwargs))
@@ -271,18 +277,36 @@ class Search:
             if device > self.budget
             else f"over the host budget by {format_bytes(host - self.host_limit)}"
         )
+        if not fits:
+            return self._row(choice, row(device, host, status))
+        # Searched by the jaxpr count (every candidate priced alike); each plan that fits
+        # also carries its compiled program's simulation, which `ox.fit` chooses by.
+        simulated = dataclasses.replace(
+            exact,
+            device_bytes=device,
+            host_bytes=host,
+            simulation=simulate_compiled(compiled, report, self.speeds),
+        )
         exact_key = key_of(exact.seconds, load_of(costs))
-        if fits and (self.best is None or exact_key < self.best[0]):
-            # Searched by the jaxpr count (every candidate priced alike); the best also
-            # carries its compiled program's simulation, which `ox.fit` answers with.
-            chosen = dataclasses.replace(
-                exact,
-                device_bytes=device,
-                host_bytes=host,
-                simulation=simulate_compiled(compiled, report, self.speeds),
-            )
-            self.best = (exact_key, choice, chosen)
-        return self._row(choice, row(device, host, status))
+        self.fitting[choice] = (exact_key, simulated)
+        if self.best is None or exact_key < self.best[0]:
+            self.best = (exact_key, choice, simulated)
+        return self._row(choice, row(device, host, status, simulated.simulation.seconds))
+
+    def fastest_simulated(self) -> tuple[Choice, StepEstimate] | None:
+        """The compiled plan that fits with the least simulated step time; among those
+        within `MIN_GAIN` of it, the one the count ranks first (it moves and recomputes
+        least where the count ties)."""
+        if not self.fitting:
+            return None
+        fastest = min(_simulated(estimate) for _, estimate in self.fitting.values())
+        near = [
+            (key, choice, estimate)
+            for choice, (key, estimate) in self.fitting.items()
+            if _simulated(estimate) <= fastest * (1 + MIN_GAIN)
+        ]
+        _, choice, estimate = min(near, key=lambda item: item[0])
+        return choice, estimate
 
     def _row(self, choice: Choice, candidate: Candidate) -> Candidate:
         self.rows[choice] = candidate
@@ -298,6 +322,39 @@ class Search:
     @property
     def best_estimate(self) -> StepEstimate | None:
         return None if self.best is None else self.best[2]
+
+
+def _simulated(estimate: StepEstimate) -> float:
+    assert estimate.simulation is not None
+    return estimate.simulation.seconds
+
+
+def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
+    """The jaxpr count cannot see what the compiled program does (collectives, copies
+    left exposed, fusion): compile up to `CHECKS` more plans, in the count's order, that
+    it ranked behind the best plan that fits but below the fastest simulated time, so
+    that `ox.fit` answers with the fastest simulated plan among them."""
+    fastest = search.fastest_simulated()
+    if fastest is None:
+        return
+    behind = ("not compiled: predicted slower", "not compiled: predicted within")
+    order = sorted(
+        (
+            (key_of(predict(loads[c], search.speeds)[0], loads[c]), c)
+            for c, row in search.rows.items()
+            if c in loads and row.status.startswith(behind)
+        ),
+        key=lambda item: item[0],
+    )
+    checked = 0
+    for key, choice in order:
+        fastest = search.fastest_simulated()
+        assert fastest is not None
+        if checked >= CHECKS or key[0] >= _simulated(fastest[1]):
+            break
+        if search.why_not_compiled(choice) is None:
+            search.compile(choice)
+            checked += 1
 
 
 def compile_in_order(search: Search, loads: dict[Choice, Load]) -> None:

@@ -230,6 +230,8 @@ class Candidate:
     - `device_bytes`, `host_bytes`: the compiled memory per device (None: not compiled).
     - `status`: `"best"`, `"fits"`, or why it was not chosen (`"over the device budget
         by 2.05 GiB"`, `"not compiled: predicted slower than the best plan that fits"`).
+    - `simulated_seconds`: for a compiled plan that fits, its compiled program's schedule
+        simulated (what `ox.fit` chooses by); None otherwise.
     """
 
     label: str
@@ -240,6 +242,7 @@ class Candidate:
     device_bytes: int | None  # compiled (None: not compiled)
     host_bytes: int | None
     status: str  # "fits", "best", or why not
+    simulated_seconds: float | None = None  # compiled and fits: the schedule simulated
 
     def as_dict(self) -> dict[str, Any]:
         """Every field but `strategy` as plain values, for JSON."""

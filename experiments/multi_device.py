@@ -1,0 +1,238 @@
+"""Llama-2-70B planned over several devices: FSDP on 8 H100s and on a v5p slice.
+
+The decoder of `_decoder.py` at Llama-2-70B's shape (d 8192, ffn 28672, 80 layers, 64
+query heads sharing 8 key/value heads: 68.98B parameters, bf16 weights and AdamW state)
+trains on sequences of 4,096 tokens, one per device and step. Every weight and every
+optimizer-state leaf is sharded over the mesh's `fsdp` axis (fully sharded data
+parallel: each device holds an eighth, or a quarter, and gathers a layer's weights when
+it runs the layer), the tokens over the same axis. The update is AdamW streamed layer by
+layer (`ox.offload_optimizer(..., stream="layer")`), so one step serves every plan.
+
+For each target, compiled without the hardware (the 8-device CPU mesh stands for the
+target's devices):
+
+- the presets, priced with `ox.estimate` (the compiled schedule simulated, collectives
+  on the interconnect as rings): `full_remat` (everything on the device, everything
+  recomputed), `state_on_host` (optimizer state in host memory), `hybrid` (parameters
+  and optimizer state in host memory, q/k/v offloaded, the rest recomputed) and
+  `host_update` (`hybrid` with the AdamW update run on the host);
+- `ox.fit`'s plan within the device's memory.
+
+Printed and written to `experiments/results/multi_device[_TAG].json`: per plan the step
+time (simulated, and the jaxpr count's, which prices no collective), tokens/s over all
+devices, MFU (6 x parameters x tokens over the peak of every device), device and host
+memory per device, the interconnect's busy time and what the compute stream waited for.
+
+    python experiments/multi_device.py --smoke   # a 4-layer GQA decoder on h100-8
+    python experiments/multi_device.py           # the same on h100-8 and tpu-v5p-4
+    python experiments/multi_device.py --full    # Llama-2-70B on h100-8 and tpu-v5p-4
+"""
+
+import os
+import sys
+
+# Eight CPU devices stand for the target's: set before JAX starts.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _decoder import CONFIGS, Config, abstract_state, make_step, optimizer_for  # noqa: E402
+from _report import RESULTS, format_table, target_available  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import offload_eqx as ox  # noqa: E402
+
+GB = 1e9
+QKV = dict.fromkeys(("q", "k", "v"), "offload")
+PRESETS = {
+    "full_remat": ox.Strategy("full_remat", "device", "device", "remat"),
+    "state_on_host": ox.Strategy("state_on_host", "device", "pinned_host", "remat"),
+    "hybrid": ox.Strategy("hybrid", "pinned_host", "pinned_host", "remat", names=QKV),
+    "host_update": ox.Strategy(
+        "host_update", "pinned_host", "pinned_host", "remat", names=QKV, update="host"
+    ),
+}
+# (target, devices in its mesh)
+TARGETS = {"h100-8": 8, "tpu-v5p-4": 4}
+# A decoder small enough to compile in seconds, with grouped-query attention as 70B has.
+SMALL = Config("small", vocab=4096, dim=1024, ffn=2816, layers=4, heads=8, seq=1024, kv_heads=2)
+# (config, targets, max_compiles of each search)
+SIZES: dict[str, tuple[Config, list[str], int]] = {
+    "smoke": (SMALL, ["h100-8"], 3),
+    "default": (SMALL, ["h100-8", "tpu-v5p-4"], 4),
+    "full": (CONFIGS["70B"], ["h100-8", "tpu-v5p-4"], 8),
+}
+
+
+def _spec(x: jax.ShapeDtypeStruct) -> P:
+    """FSDP: a stacked weight (layers, in, out) over its input rows, a large matrix
+    over its first axis; norms and scalars replicated."""
+    if x.ndim == 3:
+        return P(None, "fsdp", None)
+    if x.ndim == 2 and x.size >= 2**20:
+        return P("fsdp", None)
+    return P()
+
+
+def sharded_args(config: Config, devices: int) -> tuple[Any, Any, Any, Any]:
+    """The mesh, and the model, optimizer state and tokens as sharded
+    `ShapeDtypeStruct`s on it (one sequence per device)."""
+    mesh = jax.make_mesh(
+        (devices,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+    )
+
+    def shard(tree: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, _spec(x))
+            ),
+            tree,
+        )
+
+    model, state = abstract_state(config, "hybrid")
+    tokens = jax.ShapeDtypeStruct(
+        (devices, config.seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))
+    )
+    return mesh, (shard(model), shard(state), tokens)
+
+
+def _row(name: str, estimate: Any, config: Config, target: ox.Target, devices: int) -> dict:
+    speeds = target.speeds
+    assert speeds is not None and target.capacity is not None
+    tokens = devices * config.seq
+    sim = estimate.simulation
+    host = estimate.host_bytes or 0
+    return {
+        "plan": name,
+        "strategy": estimate.strategy,
+        "seconds": estimate.seconds,
+        "traced_seconds": estimate.traced_seconds,
+        "tokens_per_s": tokens / estimate.seconds,
+        "mfu_6nt": 6 * config.parameters * tokens / estimate.seconds / (speeds.flops * devices),
+        "device": estimate.device_bytes,
+        "host": estimate.host_bytes,
+        "fits": estimate.device_bytes <= target.capacity and host <= speeds.host_memory,
+        "network_s": sim.busy.get("network", 0.0) if sim else None,
+        "waited": dict(sim.waited) if sim else None,
+        "error": None,
+    }
+
+
+def _failed(name: str, error: Exception) -> dict:
+    text = str(error).splitlines()[0][:200]
+    return {"plan": name, "error": f"{type(error).__name__}: {text}"}
+
+
+def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
+    """The presets and `ox.fit`'s plan for `config` over `target_name`'s devices."""
+    devices = TARGETS[target_name]
+    target = ox.TARGETS[target_name]
+    mesh, args = sharded_args(config, devices)
+    optimizer = optimizer_for("hybrid", config)  # the layer-streamed AdamW
+    rows = []
+    for name, preset in PRESETS.items():
+        start = time.perf_counter()
+        try:
+            estimate = ox.estimate(make_step(optimizer, preset, mesh), *args, target=target_name)
+            rows.append(_row(name, estimate, config, target, devices))
+        except Exception as error:  # a refusal or a compiler crash: recorded, the run goes on
+            rows.append(_failed(name, error))
+        print(f"  {config.name} {target_name} {name}: {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
+    try:
+        result = ox.fit(
+            make_step(optimizer, None, mesh),
+            *args,
+            target=target_name,
+            max_compiles=max_compiles,
+            progress=False,
+        )
+        rows.append(
+            _row(f"ox.fit: {result.strategy.name}", result.estimate, config, target, devices)
+        )
+        search = {"traces": result.traces, "compiles": result.compiles, "table": result.table(8)}
+    except Exception as error:  # no plan fits, or a compile failed
+        rows.append(_failed("ox.fit", error))
+        search = {"error": str(error)}
+    search["seconds"] = time.perf_counter() - start
+    print(f"  {config.name} {target_name} ox.fit: {search['seconds']:.1f} s")
+    return {
+        "config": config.name,
+        "parameters": config.parameters,
+        "target": target_name,
+        "devices": devices,
+        "capacity": target.capacity,
+        "rows": rows,
+        "search": search,
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def table(results: list[dict]) -> str:
+    header = [
+        "config", "target", "plan", "step ms", "jaxpr count ms", "tokens/s", "MFU 6NT",
+        "device GB", "host GB", "fits", "network ms", "waited for (ms)",
+    ]  # fmt: skip
+    lines = []
+    for r in results:
+        for row in r["rows"]:
+            if row.get("error"):
+                lines.append([r["config"], r["target"], row["plan"], *["-"] * 8, row["error"]])
+                continue
+            waited = ", ".join(f"{k} {_ms(v)}" for k, v in sorted(row["waited"].items()))
+            lines.append([
+                r["config"], r["target"], row["plan"], _ms(row["seconds"]),
+                _ms(row["traced_seconds"]), f"{row['tokens_per_s']:.0f}",
+                f"{row['mfu_6nt']:.1%}", f"{row['device'] / GB:.2f}", f"{row['host'] / GB:.2f}",
+                "yes" if row["fits"] else "no", _ms(row["network_s"]), waited or "-",
+            ])  # fmt: skip
+    return format_table(header, lines, markdown=True)
+
+
+def run(size: str, tag: str) -> list[dict]:
+    config, targets, max_compiles = SIZES[size]
+    print(
+        f"{config.name}: {config.parameters / 1e9:.2f}B parameters, d {config.dim}, ffn "
+        f"{config.ffn}, {config.layers} layers, heads {config.heads} (kv {config.kv_heads}); "
+        f"one sequence of {config.seq} tokens per device; FSDP over each target's devices"
+    )
+    results = [plan_one(config, t, max_compiles) for t in targets if target_available(t)]
+    print(table(results))
+    for r in results:
+        if "table" in r["search"]:
+            print(f"\nox.fit on {r['target']} ({r['search']['seconds']:.0f} s):")
+            print(r["search"]["table"])
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"multi_device{tag}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--smoke", action="store_true", help="the small decoder on h100-8")
+    group.add_argument("--full", action="store_true", help="Llama-2-70B on h100-8 and v5p")
+    options = parser.parse_args()
+    size = "smoke" if options.smoke else "full" if options.full else "default"
+    run(size, "" if size == "full" else f"_{size}")
+
+
+if __name__ == "__main__":
+    main()
