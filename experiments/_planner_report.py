@@ -53,6 +53,7 @@ def preset_table(results: list[dict]) -> str:
                     r["target"],
                     plan,
                     f"{row['seconds'] * 1e3:.0f}",
+                    f"{row['traced_seconds'] * 1e3:.0f}",
                     f"{row['tokens_per_s']:.0f}",
                     f"{row['mfu_counted']:.1%}",
                     f"{row['mfu_6nt']:.1%}",

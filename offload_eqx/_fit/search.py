@@ -330,31 +330,32 @@ def _simulated(estimate: StepEstimate) -> float:
 
 
 def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
-    """The jaxpr count cannot see what the compiled program does (collectives, copies
-    left exposed, fusion): compile up to `CHECKS` more plans, in the count's order, that
-    it ranked behind the best plan that fits but below the fastest simulated time, so
-    that `ox.fit` answers with the fastest simulated plan among them."""
-    fastest = search.fastest_simulated()
-    if fastest is None:
+    """The jaxpr count misjudges most where plans differ in kind: it prices every value
+    as written to memory (XLA fuses most away, and a saved attention matrix costs more
+    traffic than its recomputation), and it sees no collective and no exposed copy. So
+    the count's best plan of each other base and placement (`family`) that has no
+    compiled plan fitting, and that may fit, is compiled too, up to `CHECKS` of them in
+    the count's order: `ox.fit` then answers with the fastest simulated plan."""
+    if not search.fitting:
         return
-    behind = ("not compiled: predicted slower", "not compiled: predicted within")
+    compiled = {(c.base, c.placement) for c in search.fitting}
     order = sorted(
-        (
-            (key_of(predict(loads[c], search.speeds)[0], loads[c]), c)
-            for c, row in search.rows.items()
-            if c in loads and row.status.startswith(behind)
-        ),
+        ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
         key=lambda item: item[0],
     )
     checked = 0
-    for key, choice in order:
-        fastest = search.fastest_simulated()
-        assert fastest is not None
-        if checked >= CHECKS or key[0] >= _simulated(fastest[1]):
+    for _, choice in order:
+        family = (choice.base, choice.placement)
+        if checked >= CHECKS or search.compiles >= search.max_compiles:
             break
-        if search.why_not_compiled(choice) is None:
-            search.compile(choice)
-            checked += 1
+        if family in compiled or search.why_not_compiled(choice) is not None:
+            continue
+        row = search.rows.get(choice)
+        if row is not None and not row.status.startswith("not compiled"):
+            continue  # compiled already, and did not fit
+        compiled.add(family)  # one try per family, whether it fits or not
+        search.compile(choice)
+        checked += 1
 
 
 def compile_in_order(search: Search, loads: dict[Choice, Load]) -> None:
