@@ -471,3 +471,21 @@ def test_with_speeds_refuses_what_is_not_a_speed():
     half["memory_bandwidth"] = estimate.speeds.memory_bandwidth / 2
     slower = estimate.with_speeds(**half)
     assert slower.model == "traced" and slower.seconds > estimate.seconds
+
+
+@pytest.mark.deviceless
+def test_gh200_compiles_the_h100_gpu_with_grace_memory_and_the_c2c_link():
+    """GH200: the same GPU compiled with 96 GB of HBM, and a host link of NVLink-C2C (450
+    GB/s each way): the layer fetches the H100 waits for nearly vanish."""
+    _h100()
+    gh200 = ox.TARGETS["gh200"]
+    assert gh200.capacity == 96 * 10**9 and gh200.platform == "cuda"
+    speeds = _speeds("gh200")
+    assert speeds.h2d_bandwidth == speeds.d2h_bandwidth == 450e9
+    assert speeds.flops == _speeds("h100").flops
+    step, args = _stack_step("hybrid")
+    h100, grace = (ox.estimate(step, *args, target=t) for t in ("h100", "gh200"))
+    assert grace.device_bytes == h100.device_bytes  # the same program
+    assert _simulation(grace).flops == _simulation(h100).flops
+    waits, grace_waits = _simulation(h100).waited["h2d"], _simulation(grace).waited["h2d"]
+    assert grace_waits < waits / 5 and grace.seconds < h100.seconds

@@ -217,6 +217,7 @@ _V6E_HBM = 32 * 10**9
 # reports for an H100 80GB SXM5 (84,978,434,048 B, 79.1 GiB) and 80 GiB for the A100.
 _H100_HBM = _gpu_capacity("h100.txtpb")
 _A100_HBM = _gpu_capacity("a100.txtpb")
+_GH200_HBM = _gpu_capacity("gh200.txtpb")
 
 _G = 1e9
 _T = 1e12
@@ -243,6 +244,23 @@ _H100_SPEEDS = Speeds(
     kernel_launch=1.4e-6,
     # NVLink 4: 900 GB/s per GPU both ways together (H100 datasheet), 450 GB/s each way.
     interconnect_bandwidth=450 * _G,
+)
+# NVIDIA GH200 Grace Hopper Superchip (NVIDIA GH200 datasheet), 96GB HBM3 version: its
+# H100 GPU (989 TFLOP/s dense BF16) with 4 TB/s HBM3, and the Grace CPU beside it over
+# NVLink-C2C, 900 GB/s both ways together: 450 GB/s each way, where a PCIe Gen5 x16 H100
+# gets 35/53. Grace: 72 Arm Neoverse V2 cores and up to 480 GB of LPDDR5X at up to
+# 512 GB/s, all of it this GPU's; FP32 7.1 TFLOP/s (the Grace CPU Superchip datasheet's
+# 7.1 TFLOP/s FP64 for 144 cores, halved for 72, doubled for FP32). Kernel launch as
+# measured on the H100; interconnect NVLink 4, as the H100.
+_GH200_SPEEDS = dataclasses.replace(
+    _H100_SPEEDS,
+    memory_bandwidth=4000 * _G,
+    h2d_bandwidth=450 * _G,
+    d2h_bandwidth=450 * _G,
+    host_flops=7.1 * _T,
+    host_bandwidth=512 * _G,
+    host_memory=480 * 10**9,
+    source="NVIDIA GH200 and Grace CPU Superchip datasheets; kernel launch measured on an H100",
 )
 # NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (A100 datasheet). PCIe Gen4
 # x16: about 25 GB/s each way (half of Gen5). Host: a DGX A100 (2 TB, 2x EPYC 7742, 128
@@ -331,6 +349,15 @@ TARGETS: dict[str, Target] = {
             speeds=_H100_SPEEDS,
         ),
         Target(
+            "gh200",
+            "cuda",
+            "1x1x1",
+            "gh200.txtpb",
+            description="one NVIDIA GH200 Grace Hopper Superchip (96GB HBM3, NVLink-C2C)",
+            capacity=_GH200_HBM,
+            speeds=_GH200_SPEEDS,
+        ),
+        Target(
             "a100",
             "cuda",
             "1x1x1",
@@ -376,7 +403,7 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
-"""The compile targets by name: `cpu` (this machine), `h100`, `h100-8`, `a100`,
+"""The compile targets by name: `cpu` (this machine), `h100`, `h100-8`, `gh200`, `a100`,
 `tpu-v5p`, `tpu-v5p-4`, `tpu-v5e`, `tpu-v6e`. Each is an `ox.Target` with its device
 memory (`capacity`) and the `ox.Speeds` that `ox.estimate` prices a step with;
 `ox.register_target` adds one."""
