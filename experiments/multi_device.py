@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -67,11 +68,11 @@ PRESETS = {
 TARGETS = {"h100-8": 8, "tpu-v5p-4": 4}
 # A decoder small enough to compile in seconds, with grouped-query attention as 70B has.
 SMALL = Config("small", vocab=4096, dim=1024, ffn=2816, layers=4, heads=8, seq=1024, kv_heads=2)
-# (config, targets, max_compiles of each search)
-SIZES: dict[str, tuple[Config, list[str], int]] = {
-    "smoke": (SMALL, ["h100-8"], 3),
-    "default": (SMALL, ["h100-8", "tpu-v5p-4"], 4),
-    "full": (CONFIGS["70B"], ["h100-8", "tpu-v5p-4"], 8),
+# (config, targets, max_compiles of each search, seconds one compile may take)
+SIZES: dict[str, tuple[Config, list[str], int, float]] = {
+    "smoke": (SMALL, ["h100-8"], 3, 300),
+    "default": (SMALL, ["h100-8", "tpu-v5p-4"], 4, 300),
+    "full": (CONFIGS["70B"], ["h100-8", "tpu-v5p-4"], 8, 300),
 }
 
 
@@ -134,44 +135,68 @@ def _failed(name: str, error: Exception) -> dict:
     return {"plan": name, "error": f"{type(error).__name__}: {text}"}
 
 
-def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
-    """The presets and `ox.fit`'s plan for `config` over `target_name`'s devices."""
-    devices = TARGETS[target_name]
-    target = ox.TARGETS[target_name]
+def _preset_row(config: Config, target_name: str, name: str) -> dict:
+    """One preset compiled for the target and its schedule simulated."""
+    devices, target = TARGETS[target_name], ox.TARGETS[target_name]
     mesh, args = sharded_args(config, devices)
-    optimizer = optimizer_for("hybrid", config)  # the layer-streamed AdamW
+    step = make_step(optimizer_for("hybrid", config), PRESETS[name], mesh)  # AdamW by layer
+    try:
+        estimate = ox.estimate(step, *args, target=target_name)
+    except Exception as error:  # a refusal or a compiler crash: recorded, the run goes on
+        return _failed(name, error)
+    return _row(name, estimate, config, target, devices)
+
+
+def _fit_row(config: Config, target_name: str, max_compiles: int) -> tuple[dict, dict]:
+    """`ox.fit`'s plan within the device's memory, and what its search cost."""
+    devices, target = TARGETS[target_name], ox.TARGETS[target_name]
+    mesh, args = sharded_args(config, devices)
+    step = make_step(optimizer_for("hybrid", config), None, mesh)
+    try:
+        result = ox.fit(step, *args, target=target_name, max_compiles=max_compiles)
+    except Exception as error:  # no plan fits, or a compile failed
+        return _failed("ox.fit", error), {"error": str(error)}
+    row = _row(f"ox.fit: {result.strategy.name}", result.estimate, config, target, devices)
+    return row, {"traces": result.traces, "compiles": result.compiles, "table": result.table(8)}
+
+
+def _guarded(name: str, timeout: float, function: Any, *args: Any) -> Any:
+    """`function(*args)` in a child process (spawned, so it sets up its own eight CPU
+    devices), or a row saying it did not finish within `timeout` seconds: XLA:TPU
+    compiles some host-offloaded plans of 70B for more than 20 minutes."""
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    pending = pool.apply_async(function, args)
+    try:
+        result = pending.get(timeout)
+    except multiprocessing.TimeoutError:
+        pool.terminate()  # the compile still running: nothing else to lose
+        row = {"plan": name, "error": f"TimeoutError: not compiled within {timeout:.0f} s"}
+        return (row, {"error": row["error"]}) if function is _fit_row else row
+    pool.close()  # the worker exits on its own (terminating it makes XLA print a trace)
+    pool.join()
+    return result
+
+
+def plan_one(config: Config, target_name: str, max_compiles: int, timeout: float) -> dict:
+    """The presets and `ox.fit`'s plan for `config` over `target_name`'s devices, each
+    in a child process that may take at most `timeout` seconds."""
     rows = []
-    for name, preset in PRESETS.items():
+    for name in PRESETS:
         start = time.perf_counter()
-        try:
-            estimate = ox.estimate(make_step(optimizer, preset, mesh), *args, target=target_name)
-            rows.append(_row(name, estimate, config, target, devices))
-        except Exception as error:  # a refusal or a compiler crash: recorded, the run goes on
-            rows.append(_failed(name, error))
+        rows.append(_guarded(name, timeout, _preset_row, config, target_name, name))
         print(f"  {config.name} {target_name} {name}: {time.perf_counter() - start:.1f} s")
     start = time.perf_counter()
-    try:
-        result = ox.fit(
-            make_step(optimizer, None, mesh),
-            *args,
-            target=target_name,
-            max_compiles=max_compiles,
-            progress=False,
-        )
-        rows.append(
-            _row(f"ox.fit: {result.strategy.name}", result.estimate, config, target, devices)
-        )
-        search = {"traces": result.traces, "compiles": result.compiles, "table": result.table(8)}
-    except Exception as error:  # no plan fits, or a compile failed
-        rows.append(_failed("ox.fit", error))
-        search = {"error": str(error)}
+    fit_limit = 2 * timeout  # most compiles take seconds; one that does not takes it all
+    row, search = _guarded("ox.fit", fit_limit, _fit_row, config, target_name, max_compiles)
+    rows.append(row)
     search["seconds"] = time.perf_counter() - start
     print(f"  {config.name} {target_name} ox.fit: {search['seconds']:.1f} s")
+    target = ox.TARGETS[target_name]
     return {
         "config": config.name,
         "parameters": config.parameters,
         "target": target_name,
-        "devices": devices,
+        "devices": TARGETS[target_name],
         "capacity": target.capacity,
         "rows": rows,
         "search": search,
@@ -203,14 +228,15 @@ def table(results: list[dict]) -> str:
     return format_table(header, lines, markdown=True)
 
 
-def run(size: str, tag: str) -> list[dict]:
-    config, targets, max_compiles = SIZES[size]
+def run(size: str, tag: str, only: list[str] | None = None) -> list[dict]:
+    config, targets, max_compiles, timeout = SIZES[size]
+    targets = only or targets
     print(
         f"{config.name}: {config.parameters / 1e9:.2f}B parameters, d {config.dim}, ffn "
         f"{config.ffn}, {config.layers} layers, heads {config.heads} (kv {config.kv_heads}); "
         f"one sequence of {config.seq} tokens per device; FSDP over each target's devices"
     )
-    results = [plan_one(config, t, max_compiles) for t in targets if target_available(t)]
+    results = [plan_one(config, t, max_compiles, timeout) for t in targets if target_available(t)]
     print(table(results))
     for r in results:
         if "table" in r["search"]:
@@ -229,9 +255,11 @@ def main() -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--smoke", action="store_true", help="the small decoder on h100-8")
     group.add_argument("--full", action="store_true", help="Llama-2-70B on h100-8 and v5p")
+    parser.add_argument("--targets", nargs="+", choices=list(TARGETS), help="only these")
     options = parser.parse_args()
     size = "smoke" if options.smoke else "full" if options.full else "default"
-    run(size, "" if size == "full" else f"_{size}")
+    tag = "" if size == "full" else f"_{size}"
+    run(size, tag + "".join(f"_{t}" for t in options.targets or ()), options.targets)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def test_ample_budget_moves_nothing_and_answers_with_the_fastest_simulated_plan(
     assert counted_best.strategy.activations == "save" and counted_best.recompute_flops == 0
     assert len(simulated) >= 2
     (best,) = [c for c in result.candidates if c.status == "best"]
+    assert best.simulated_seconds is not None
     assert best.simulated_seconds <= min(simulated.values()) * 1.005
     assert result.estimate.seconds == pytest.approx(best.simulated_seconds)
     assert result.strategy == best.strategy

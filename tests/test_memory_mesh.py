@@ -167,6 +167,13 @@ def _training(mesh, fsdp) -> dict:
     result = ox.fit(step, model, state, x, target="h100-8", device_budget=budget, max_compiles=4)
     chosen = result.estimate
     assert chosen.simulation is not None
+    # A budget the device-only plan fits in, per device: the search must not rule it out
+    # by the whole model's bytes.
+    ample = ox.fit(
+        step, model, state, x, target="h100-8", device_budget=out["baseline"]["device"] * 2,
+        max_compiles=4,
+    )  # fmt: skip
+    out["ample"] = [ample.strategy.params, ample.strategy.optimizer]
     out["fit"] = {
         "budget": budget,
         "device": chosen.device_bytes,
@@ -303,6 +310,9 @@ def test_fit_on_a_mesh_target_picks_a_plan_within_the_budget():
     assert "pinned_host" in repr((fit["params"], fit["optimizer"]))
     assert fit["model"] == "compiled" and fit["network"] > 0
     assert fit["simulated_flops"] == pytest.approx(fit["flops"], rel=1e-6)
+    # Memory bounds are per device: with room for the device-only plan, it is chosen
+    # (the whole model's bytes had ruled every device plan out).
+    assert training["ample"] == ["device", "device"]
 
 
 def test_placed_arrays_on_a_cpu_mesh():

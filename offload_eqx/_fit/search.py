@@ -62,6 +62,14 @@ def is_out_of_memory(error: Exception) -> bool:
 CHECKS = 3
 
 
+def _shard_shape(leaf: Any) -> tuple:
+    """The shape of one device's shard of a planned leaf (its whole shape off a mesh)."""
+    try:
+        return tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
+    except (AttributeError, ValueError):
+        return tuple(leaf.shape)
+
+
 def _share(policy: Any, wanted: str, layers: int) -> float:
     """The share of a name's layers in which its policy is `wanted`."""
     if isinstance(policy, LayerSplit):
@@ -147,19 +155,26 @@ class Search:
     # -- bounds --------------------------------------------------------------------------
 
     def argument_bytes(self, choice: Choice, memory: str) -> int:
-        """Bytes of the arguments a plan puts in `memory` ("device" counts unmanaged
-        leaves too: they stay where they are, on the device)."""
+        """Bytes of the arguments a plan puts in `memory` on each device ("device" counts
+        unmanaged leaves too: they stay where they are, on the device); over a mesh, each
+        leaf's shard."""
         plan = self.wrapper(choice).plan(*self.args, **self.kwargs)
         memories = (None, "device") if memory == "device" else (memory,)
         return sum(
-            int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            int(np.prod(_shard_shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
             for leaf in plan.leaves
             if leaf.memory in memories
         )
 
+    def devices(self, choice: Choice) -> int:
+        """How many devices a plan runs on (its mesh's)."""
+        mesh = self.wrapper(choice).plan(*self.args, **self.kwargs).mesh
+        return 1 if mesh is None else int(np.prod(list(mesh.shape.values())))
+
     def named(self, choice: Choice, policy: str) -> int:
         """Bytes of the named values a plan gives `policy` (in the share of the layers
-        where it does). Under the save base the names saved are not counted: it keeps
+        where it does), on each device: over a mesh, split over every device at best (a
+        lower bound). Under the save base the names saved are not counted: it keeps
         whatever XLA's residuals are."""
         if policy == "save" and choice.base == "save":
             return 0
@@ -168,7 +183,7 @@ class Search:
             produced = self.produced.get(name)
             if produced is not None:
                 total += produced.bytes * _share(value, policy, produced.layers)
-        return int(total)
+        return int(total / self.devices(choice))
 
     def bound(self, choice: Choice) -> int:
         """The device memory a plan needs at least: its device arguments, and the named
@@ -291,7 +306,7 @@ class Search:
         self.fitting[choice] = (exact_key, simulated)
         if self.best is None or exact_key < self.best[0]:
             self.best = (exact_key, choice, simulated)
-        return self._row(choice, row(device, host, status, simulated.simulation.seconds))
+        return self._row(choice, row(device, host, status, _simulated(simulated)))
 
     def fastest_simulated(self) -> tuple[Choice, StepEstimate] | None:
         """The compiled plan that fits with the least simulated step time; among those
