@@ -47,6 +47,9 @@ def preset_table(results: list[dict]) -> str:
             plan = row["plan"]
             if plan == "ox.fit":
                 plan = f"ox.fit: {row['strategy']}"
+            if row["seconds"] is None:  # refused before any trace
+                body.append([r["config"], r["target"], plan, *["-"] * 8, _fits(row)])
+                continue
             body.append(
                 [
                     r["config"],
@@ -227,7 +230,9 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
                 "",
                 "Presets (predicted step time, compile outcome):",
                 *(
-                    f"  {row['plan']}: {row['seconds'] * 1e3:.0f} ms, "
+                    f"  {row['plan']}: "
+                    + ("-" if row["seconds"] is None else f"{row['seconds'] * 1e3:.0f} ms")
+                    + ", "
                     + (_why_not(row["error"]) if row["error"] else _fits(row))
                     for row in r["presets"]
                 ),

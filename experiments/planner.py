@@ -154,7 +154,10 @@ def _estimate(step, args: tuple, target: str) -> tuple[Any, dict]:
     try:
         estimate = ox.estimate(step, *args, target=target)
     except Exception as error:  # a compiler refusal or crash: recorded, the run goes on
-        return ox.estimate(step, *args, target=target, compile=False), _failure(error)
+        try:
+            return ox.estimate(step, *args, target=target, compile=False), _failure(error)
+        except ValueError:  # refused before any trace (a host computation on XLA:TPU)
+            return None, _failure(error)
     return estimate, {"device": estimate.device_bytes, "host": estimate.host_bytes, "error": None}
 
 
@@ -267,6 +270,9 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
         # search compiled the same plan: the search keeps only its chosen plan's program.
         estimate, memory = _estimate(make_step(optimizer, preset), args, target_name)
         print(f"    compiled {name}", flush=True)
+        if estimate is None:  # refused: no time to give
+            rows.append({"plan": name, "strategy": preset.name, **memory, "seconds": None})
+            continue
         estimates[name] = estimate
         rows.append(_row(name, estimate, {**memory, "from": "compiled here"}, config, target))
     if result is not None:
@@ -370,7 +376,7 @@ def _points(
     compiled_here = {
         _policies(PRESETS[r["plan"]]): r
         for r in rows
-        if r["plan"] in PRESETS and r["memory_from"] == "compiled here"
+        if r["plan"] in PRESETS and r.get("memory_from") == "compiled here"
     }
     overhead: dict[str, int] = {}
     known = [(c.strategy, c.device_bytes) for c in candidates if c.device_bytes is not None]
