@@ -78,25 +78,42 @@ def planner():
     return planner
 
 
-def test_planner_reprices_with_the_estimate_model(planner):
-    """The planner's re-pricing (`ox.estimate`'s overlap model on a phase breakdown), the
-    link bandwidth where offloading stops paying, and the Pareto front."""
+class _Priced:
+    """Stands for an `ox.StepEstimate`: `seconds` is a function of the host link, and
+    `with_speeds` prices the same program again at other speeds."""
+
+    def __init__(self, speeds, seconds_at):
+        self.speeds, self.seconds_at = speeds, seconds_at
+        self.seconds = seconds_at(speeds.h2d_bandwidth)
+
+    def with_speeds(self, **changes):
+        import dataclasses
+
+        return _Priced(dataclasses.replace(self.speeds, **changes), self.seconds_at)
+
+
+def test_planner_reprices_by_simulating_again(planner):
+    """The planner's re-pricing: the same compiled program at another link (both
+    directions scaled alike), nothing overlapped, the link bandwidth where offloading
+    stops paying, and the Pareto front."""
     import offload_eqx as ox
 
     speeds = ox.TARGETS["tpu-v5p"].speeds  # 32 GB/s each way
-    zero = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "exposed": 0.0}
-    offloaded = {
-        "phases": {
-            "forward": {**zero, "compute": 1.0, "h2d": 0.5, "d2h": 0.5, "exposed": 0.01},
-            "update": {**zero, "compute": 0.2},
-        }
-    }
-    remat = {"phases": {"forward": {**zero, "compute": 1.2}, "update": {**zero, "compute": 0.2}}}
-    assert planner._repriced(offloaded["phases"], 1.0) == pytest.approx(1.01 + 0.2)
-    assert planner._repriced(offloaded["phases"], 1.0, overlap=False) == pytest.approx(2.2)
+    assert speeds is not None
+    nominal = speeds.h2d_bandwidth
+    # Offloaded: 1 s of compute hiding 0.5 s of copies (at 32 GB/s), 0.01 s exposed, and
+    # a 0.2 s update; full remat: 1.2 s of compute and the update.
+    offloaded = _Priced(speeds, lambda bw: max(1.0, 0.5 * nominal / bw) + 0.01 * nominal / bw + 0.2)
+    remat = _Priced(speeds, lambda bw: 1.4)
+    slower = planner._at_link(offloaded, nominal / 4)
+    assert slower.speeds.d2h_bandwidth == pytest.approx(speeds.d2h_bandwidth / 4)
+    assert slower.seconds == pytest.approx(2.0 + 0.04 + 0.2)
     # Offloading pays while 0.5 s + 0.01 s of copies, scaled by 32 GB/s / bandwidth, stay
     # under the 1.2 s that recomputing takes: down to 32 x 0.51 / 1.2 GB/s.
-    assert planner._break_even(offloaded, remat, speeds) == pytest.approx(32 * 0.51 / 1.2, 1e-3)
+    assert planner._break_even(offloaded, remat) == pytest.approx(32 * 0.51 / 1.2, 0.03)
+    zero = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    phases = {"forward": {**zero, "compute": 1.0, "h2d": 0.5, "d2h": 0.5}, "update": zero}
+    assert planner._no_overlap(phases) == pytest.approx(2.0)
     assert planner.report.pareto([(1, 5), (2, 3), (3, 4), (4, 1)]) == [(1, 5), (2, 3), (4, 1)]
 
 
