@@ -94,9 +94,12 @@ def _sharded_like_its_leaf(grad: Any, leaf_state: Any, param: Any) -> Any:
     mirrors (without parameters, its optimizer state's). The per-layer loop then slices
     the gradient, the parameter and the state alike; left to the partitioner, a gradient
     sharded as the backward pass made it (FSDP: on another axis) is resharded whole,
-    every stacked layer of it, on each trip of the loop."""
+    every stacked layer of it, on each trip of the loop. Under `Explicit` axes there is
+    nothing to do: a gradient's type carries its parameter's sharding already."""
     plan = active_plan()
     if plan is None or plan.mesh is None:
+        return grad
+    if any(t == jax.sharding.AxisType.Explicit for t in plan.mesh.axis_types):
         return grad
     memory = "pinned_host" if is_host_typed(grad) else "device"
     mirrors = [param, *jax.tree_util.tree_leaves(leaf_state)]
