@@ -100,7 +100,22 @@ def convolution_flops(module: Module, computation: Computation, instruction: Ins
     per_output = kernel.elements / (
         kernel.dims[out_feature] if 0 <= out_feature < len(kernel.dims) else 1
     )
-    return 2.0 * result.elements * per_output
+    return 2.0 * result.elements * per_output * _taps_on_input(instruction)
+
+
+def _taps_on_input(instruction: Instruction) -> float:
+    """Of a window's taps, the share that meet input elements. With `lhs_dilate=d` the
+    input has `d - 1` holes between its elements, so a window of `s` taps meets at most
+    `ceil(s / d)` of them: XLA:TPU writes a batched dot as a convolution whose batch
+    dimensions are windows as large as their dilation, one tap of which is real."""
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    size = re.search(r"\bsize=([\dx]+)", window.group(1)) if window else None
+    dilate = re.search(r"\blhs_dilate=([\dx]+)", window.group(1)) if window else None
+    if size is None or dilate is None:
+        return 1.0
+    sizes = [int(v) for v in size.group(1).split("x")]
+    dilations = [int(v) for v in dilate.group(1).split("x")]
+    return math.prod(math.ceil(s / d) / s for s, d in zip(sizes, dilations))
 
 
 def _gemm_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
