@@ -210,3 +210,43 @@ def headline_table(result: dict) -> str:
     )
     fractions = [f"{r['plan']}: {r['fraction']}" for r in result["rows"] if r.get("fraction")]
     return format_table(header, body, markdown=True) + "\n" + "\n".join(fractions)
+
+
+# The plans drawn by `timelines`: `ox.fit`'s at batch 5 in the run of 2026-11-26 (the
+# state in host memory, everything recomputed) and ZeRO-Offload's placement at its
+# largest batch (`planner.PRESETS["host_update"]`: q, k, v offloaded, the rest recomputed).
+TIMELINES = {
+    "ox.fit's plan at batch 5 (state on the host)": (
+        ox.Strategy("fit_batch_5", "device", "pinned_host", "remat"),
+        5,
+    ),
+    "host_update at batch 10 (ZeRO-Offload's placement)": (
+        ox.Strategy(
+            "host_update",
+            "pinned_host",
+            "pinned_host",
+            "remat",
+            names=dict.fromkeys("qkv", "offload"),
+            update="host",
+        ),  # fmt: skip
+        10,
+    ),
+}
+
+
+def timelines(path: Any, plt: Any) -> dict:
+    """The simulated 13B steps of `TIMELINES`, one Gantt chart above the other, written
+    to `path`; their step times and what the compute stream waited for."""
+    _, optimizer, make_args = _setup()
+    figure, axes = plt.subplots(len(TIMELINES), 1, figsize=(13, 3.2 * len(TIMELINES)))
+    out = {}
+    for axis, (title, (strategy, batch)) in zip(axes, TIMELINES.items()):
+        estimate = ox.estimate(make_step(optimizer, strategy), *make_args(batch), target=TARGET)
+        sim = estimate.simulation
+        estimate.plot_timeline(axis, f"Llama-2-13B, {title}: {estimate.seconds:.2f} s")
+        out[title] = {"seconds": estimate.seconds, "waited": dict(sim.waited) if sim else {}}
+        print(f"    {title}: {estimate.seconds * 1e3:.0f} ms, waited {out[title]['waited']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return out

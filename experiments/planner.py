@@ -57,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _decoder import CONFIGS, Config, abstract_state, make_step, optimizer_for  # noqa: E402
 from _planner_fraction import fraction  # noqa: E402
-from _planner_headline import headline, headline_table  # noqa: E402
+from _planner_headline import headline, headline_table, timelines  # noqa: E402
 from _planner_report import (  # noqa: E402
     LINKS,
     comparison_table,
@@ -65,7 +65,7 @@ from _planner_report import (  # noqa: E402
     preset_table,
     search_table,
 )
-from _report import target_available  # noqa: E402
+from _report import pyplot, target_available  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -491,6 +491,9 @@ def main() -> None:
     size.add_argument(
         "--headline", action="store_true", help="only 13B on one H100 at the largest batch"
     )
+    size.add_argument(
+        "--timeline", action="store_true", help="only the 13B timelines: ox.fit's plan, host update"
+    )
     parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
     parser.add_argument("--targets", nargs="+", choices=["h100", "tpu-v5p"])
     parser.add_argument("--max-compiles", type=int)
@@ -498,6 +501,11 @@ def main() -> None:
         "--tag", help="suffix of the result files (default: none for --full, else the size)"
     )
     args = parser.parse_args()
+    plt = pyplot()
+    if args.timeline and plt is not None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(timelines(RESULTS / "planner_13b_timeline.png", plt), indent=1))
+        return
     size = "full" if args.full else "smoke" if args.smoke else "default"
     configs, targets, max_compiles = SIZES[size]
     if args.headline:
