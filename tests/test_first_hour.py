@@ -206,24 +206,25 @@ def test_every_readme_python_block_shows_what_it_prints():
 # -- The plots on the results page ------------------------------------------------------
 
 # Each experiment that draws a plot, and the file its `--smoke` run writes.
-PLOTS = {
-    "activation_offloading.py": "activation_offloading.png",
-    "parameter_offloading.py": "parameter_offloading.png",
-    "optimizer_offloading.py": "optimizer_offloading.png",
-    "transformer_offload.py": "transformer_offload.png",
-    "planner.py": "planner_smoke.png",
-}
+PLOTS = (  # (the experiment that draws it, the plot)
+    ("activation_offloading.py", "activation_offloading.png"),
+    ("parameter_offloading.py", "parameter_offloading.png"),
+    ("optimizer_offloading.py", "optimizer_offloading.png"),
+    ("transformer_offload.py", "transformer_offload.png"),
+    ("planner.py", "planner_smoke.png"),
+    ("planner.py", "planner_13b_timeline.png"),  # planner.py --timeline
+)
 _IMAGE = re.compile(r"!\[[^\]]*\]\((plots/[\w.-]+\.png)\)\n\n([^\n]+)")
 
 
 def test_the_results_page_shows_every_experiments_plot_with_a_takeaway():
     page = (DOCS / "results.md").read_text(encoding="utf-8")
     images = dict(_IMAGE.findall(page))
-    assert sorted(Path(path).name for path in images) == sorted(PLOTS.values())
+    assert sorted(Path(path).name for path in images) == sorted(plot for _, plot in PLOTS)
     for path, takeaway in images.items():
         assert (DOCS / path).is_file(), path  # in the repository: no experiment run needed
         assert takeaway.startswith("**Takeaway:**"), takeaway
-    for script in PLOTS:
+    for script, _ in PLOTS:
         assert (EXPERIMENTS / script).is_file()
 
 
