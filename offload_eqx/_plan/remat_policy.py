@@ -200,7 +200,10 @@ def _scan_offloads(jaxpr: Any, offloaded: set[str], stacks: list[str]) -> None:
         elif eqn.primitive.name == "device_put" and any(
             str(d).endswith("Host") for d in eqn.params.get("devices", ())
         ):
-            offloaded.update(named[v] for v in eqn.invars if v in named)
+            # A literal operand (`to_host(jnp.asarray(True))`) is no name, and unhashable.
+            offloaded.update(
+                named[v] for v in eqn.invars if not isinstance(v, jex.core.Literal) and v in named
+            )
         for sub in jex.core.jaxprs_in_params(eqn.params):
             _scan_offloads(sub, offloaded, stacks)
 
