@@ -24,7 +24,13 @@ from jax.core import eval_jaxpr
 from .._base.errors import is_host_use_error
 from .._plan.plan import LeafPlan, Plan
 from .._plan.walk import format_keys, is_array_leaf
-from .._sharding.host_compute import check_host_compute, on_host_if_cheap
+from .._sharding.host_compute import (
+    HOST_UPDATE,
+    check_host_compute,
+    compiler_options,
+    host_computations,
+    on_host_if_cheap,
+)
 from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
@@ -292,7 +298,8 @@ def compile_entry(
     platform = plan.device.platform
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
-    donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root)
+    host_update = bool(set(host_computations(closed)) & set(HOST_UPDATE))
+    donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root, host_update)
     if donated and not donate_on_error:
         donated = _unless_it_can_raise(closed, donated, caller)
     # Off a mesh, a program that places values on devices itself gets jit's placement
@@ -306,6 +313,7 @@ def compile_entry(
         in_shardings=plan.argument_shardings(to_jit),
         out_shardings=list(out_shardings),
         donate_argnums=donated,
+        compiler_options=compiler_options(closed, platform),
     )
     return Compilation(
         jitted=jitted,

@@ -209,7 +209,13 @@ class Plan:
         return None
 
     def donated(
-        self, donate: str, out_treedef: Any, out_mask: Sequence[bool], out_avals, keep_root
+        self,
+        donate: str,
+        out_treedef: Any,
+        out_mask: Sequence[bool],
+        out_avals,
+        keep_root,
+        host_update: bool = False,
     ) -> tuple:
         """The argument leaves to donate: under any `donate` but `"none"` (`"all"`,
         `"warn"`, ...) each leaf the step returns a new value of, in the same memory (the
@@ -217,7 +223,14 @@ class Plan:
         structure), except the leaves of argument `keep_root` (`"all-except-first"`,
         `"warn-except-first"`) and NumPy leaves (copied in anyway). An
         argument that is a bare array (a batch, a loss scale) is never donated, even when
-        an output has its shape: nothing says the output is its new value."""
+        an output has its shape: nothing says the output is its new value.
+
+        With `host_update` (the step updates its optimizer state on the host), no
+        argument in host memory is donated: the host computation writes its results into
+        buffers of its own, and XLA:GPU copies each into the donated buffer afterwards
+        (a scanned 8 x 1024^2 model with Adam, delayed host update, deviceless h100: four
+        32 MiB copies, 6.89 ms per step simulated against 3.05 ms undonated). Donating
+        host memory saves host memory only; the device memory is unchanged."""
         if donate == "none":
             return ()
         news = self.output_arguments(out_treedef, out_mask, out_avals, containers_only=True)
@@ -227,6 +240,8 @@ class Plan:
             if leaf is None or leaf.uploaded or leaf.root == keep_root:
                 continue
             host = getattr(leaf.sharding, "memory_kind", None) == "pinned_host"
+            if host and host_update:
+                continue
             if host == is_host_aval(aval):  # else the output cannot reuse its buffer
                 donated.add(index[id(leaf)])
         return tuple(sorted(donated))

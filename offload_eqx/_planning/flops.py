@@ -49,7 +49,7 @@ import jax.extend as jex
 import numpy as np
 
 from .._base.primitives import STRUCTURAL, is_callback, phase_of
-from .._sharding.host_compute import is_host_computation
+from .._sharding.host_compute import DELAYED_SCOPE, is_host_computation
 
 PHASES = ("forward", "backward", "update")
 RECOMPUTE_SCOPE = "rematted_computation"
@@ -198,6 +198,9 @@ class _Counter:
             if eqn_phase == "backward":
                 seen_backward = self.saw_backward = True
             eqn_host = host or is_host_computation(eqn)
+            if eqn_host and DELAYED_SCOPE in stack:
+                # Reads nothing the step computes: runs beside the backward pass (at least).
+                eqn_phase = "backward"
             eqn_recompute = recompute or RECOMPUTE_SCOPE in stack
             prim = eqn.primitive.name
             if prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):

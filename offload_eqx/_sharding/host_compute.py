@@ -58,7 +58,17 @@ NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 # call's operands a linear layout. Building state
 # on the host (`_jit.compile`, `_optimizer.state`) is not refused: a stacked model built for
 # tpu-v5p that way needs 512 B of device memory (128 MiB on the host).
-HOST_UPDATE = ("optimizer update", "apply updates", "optimizer update and apply")
+HOST_UPDATE = (
+    "optimizer update",
+    "apply updates",
+    "optimizer update and apply",
+    "delayed optimizer update",
+    "delayed optimizer update and apply",
+)
+# The name scope of a delayed update's host computation (`ox.offload_optimizer(...,
+# delay=1)`): it reads nothing the step computes, so XLA runs it beside the forward and
+# backward passes, and the work counter prices it there.
+DELAYED_SCOPE = f"{NAME_SCOPE}[delayed "
 HOST_UPDATE_PROBLEMS: dict[str, str] = {
     "tpu": (
         "XLA:TPU gains nothing from it: under 'hybrid', on a model of 8 scanned layers "
@@ -89,6 +99,32 @@ def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
         "`stream='leaf'` or `'layer'` to fetch the state piece by piece), or a strategy "
         "with update='device'."
     )
+
+
+# XLA:GPU compiles a host computation to an async pair on the host thread
+# (`custom-call-start` / `custom-call-done`). Its default scheduler puts the two side by
+# side, so the device waits for the host even when nothing orders them; the
+# latency-hiding scheduler places independent device work between them, provided it may
+# keep enough async computations in flight: the fetches and sends of host-resident layers
+# inside the loops count as async computations too. Measured deviceless on h100 with a
+# delayed host update under a hybrid plan: 8 scanned 1024^2 layers need a limit of 3 for
+# the host call to span both loops; Llama-2-13B's 40 layers (seven weights each) need
+# more than 4, and with 64 the call spans the backward loop. The scheduler gives a host
+# call a fixed latency, not its cost, so it stops widening the span once a long loop
+# covers that latency: at 13B the call starts after the forward loop.
+OVERLAP_OPTIONS: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_experimental_parallel_async_compute_limit": 64,
+}
+
+
+def compiler_options(jaxpr: Any, platform: str) -> dict[str, Any] | None:
+    """The XLA options a step is compiled with: `OVERLAP_OPTIONS` for a step with a host
+    computation on XLA:GPU (`platform` `"cuda"` for a target, `"gpu"` for a device),
+    so that its host work overlaps device work; None (the defaults) otherwise."""
+    if platform in ("cuda", "gpu") and host_computations(jaxpr):
+        return dict(OVERLAP_OPTIONS)
+    return None
 
 
 def is_host_computation(eqn: Any) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._declare.placement import MEMORIES
-from .._sharding.host_compute import check_host_compute
+from .._sharding.host_compute import check_host_compute, compiler_options
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
 from .devices import mesh_on_target, target_mesh, uses_abstract_mesh
@@ -262,7 +262,10 @@ def compile_for(program: Program, target: Target, log: list[str] | None = None) 
     flat = program.flat_on(sharding_mesh)
 
     def compile_with(out_shardings: list | None) -> Any:
-        options: dict[str, Any] = {"donate_argnums": program.donate_argnums}
+        options: dict[str, Any] = {
+            "donate_argnums": program.donate_argnums,
+            "compiler_options": compiler_options(traced.jaxpr, target.platform),
+        }
         if out_shardings is not None:
             options["out_shardings"] = out_shardings
         jitted = jax.jit(flat, in_shardings=in_shardings, **options)
