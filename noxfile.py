@@ -45,7 +45,8 @@ def tests(session: nox.Session) -> None:
     workers (each keeps the other busy): `nox -s tests` (pytest options after `--`; only
     the CPU unit tests: `-- -m "not deviceless and not multidevice"`)."""
     session.install("-e", ".[test,checkpoint,cuda,tpu]")
-    _pytest(session, *PARALLEL, "-m", "not multidevice")
+    # The slowest tests, printed at the end: what to trim when the run nears its budget.
+    _pytest(session, *PARALLEL, "--durations=15", "-m", "not multidevice")
 
 
 @nox.session(python=PYTHON)

@@ -16,7 +16,9 @@ Import it as `import offload_eqx as ox`. The entry points, by task:
   `ox.checkpoint` (one module).
 - Compile and run a step: `ox.filter_jit` (`strategy=` a name in `ox.STRATEGIES` or an
   `ox.Strategy`), `ox.place` to put arrays where the plan says.
-- Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply`.
+- Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply`
+  (`delay=1`: the update of the previous step's gradients overlaps this step;
+  `ox.apply_pending` applies the last ones).
 - See what moves: `ox.audit`, `ox.no_implicit_transfers`, `step.plan(...)`.
 - Memory without the hardware: `ox.memory_report`, `ox.compare_memory`
   (`target="h100"` or `"tpu-v5p"`).
@@ -68,6 +70,7 @@ from ._jit.cache import clear_caches as clear_caches
 from ._jit.guard import no_implicit_transfers as no_implicit_transfers
 from ._jit.jit import FilterJit as FilterJit, filter_jit as filter_jit
 from ._optimizer.optimizer import (
+    apply_pending as apply_pending,
     apply_updates as apply_updates,
     offload_optimizer as offload_optimizer,
     update_and_apply as update_and_apply,

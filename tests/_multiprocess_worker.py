@@ -66,9 +66,10 @@ def loss_fn(model, x):
     return jnp.mean(model(x) ** 2)
 
 
-def make_optimizer(update_on="device"):
-    """`update_on`: "device" or "host" (the whole-state optimizer), or "layer": the same
-    chain streamed by layer, its clipping as the global transform."""
+def make_optimizer(update_on="device", delay=0):
+    """`update_on`: "device" or "host" (the whole-state optimizer, delayed by `delay`
+    steps), or "layer": the same chain streamed by layer, its clipping as the global
+    transform."""
     if update_on == "layer":
         return ox.offload_optimizer(
             optax.adam(1e-2),
@@ -77,7 +78,9 @@ def make_optimizer(update_on="device"):
             global_transform=optax.clip_by_global_norm(1.0),
         )
     return ox.offload_optimizer(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), update_on=update_on
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+        update_on=update_on,
+        delay=delay,
     )
 
 
@@ -91,12 +94,12 @@ def make_step(opt, strategy=None, mesh=None, donate="all"):
     return step
 
 
-def train(mesh, strategy=None, steps=3, update_on="device") -> dict:
+def train(mesh, strategy=None, steps=3, update_on="device", delay=0) -> dict:
     """Place the model over `mesh` (given once), shard the batch, take the gradients, and
     run `steps` training steps. Returns every intermediate result by name."""
     model = ox.place(make_model(jax.random.key(0)), strategy, mesh=mesh)
     x = shard(jnp.asarray(make_batch()), DATA, mesh)
-    opt = make_optimizer(update_on)
+    opt = make_optimizer(update_on, delay)
     opt_state = ox.place(opt.init(model), strategy)  # the mesh is found on the arrays
     placed = shardings((model, opt_state))  # before the step donates the buffers
 

@@ -244,6 +244,23 @@ def test_host_update_on_a_mesh_matches_one_device(strategy):
 
 
 @on_eight_devices
+@pytest.mark.parametrize("strategy", ["offload_optimizer", "hybrid"])
+def test_delayed_host_update_on_a_mesh_matches_one_device(strategy):
+    """`update_on="host", delay=1` on a 2x4 mesh equals the same run on one device (which
+    `test_optimizer_delayed.py` checks against the definition); the pending gradients
+    are sharded like their parameters, in host memory."""
+    run = train(_mesh(), strategy, update_on="host", delay=1)
+    one = train(_one_device_mesh(), strategy, update_on="host", delay=1)
+    np.testing.assert_allclose(
+        [float(x) for x in run["losses"]], [float(x) for x in one["losses"]], rtol=2e-5
+    )
+    _assert_close(gather(run["model"]), gather(one["model"]), "model")
+    pending = run["opt_state"].inner.pending
+    assert pending.layers.w1.sharding == NamedSharding(_mesh(), FSDP, memory_kind="pinned_host")
+    assert jax.typeof(pending.layers.w1).memory_space == jax.memory.Space.Host
+
+
+@on_eight_devices
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_shard_constrains_activations_inside_a_step(axis_type):
     mesh = _mesh(axis_type)

@@ -23,10 +23,12 @@ device until the norm is known (and fetching the state to the device anyway).
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from .._sharding.host_compute import on_host
-from .._sharding.memory_space import is_host_typed
+from .._sharding.memory_space import is_host_typed, labelled, to_host
+from .delayed import Delayed, delayed_tx, when_ready, zeros
 from .state import (
     NAME,
     call_update,
@@ -47,6 +49,13 @@ def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
     except (ValueError, TypeError, AttributeError):
         return True
     return False
+
+
+def _to_host_labelled(x: Any, where: str) -> Any:
+    if is_host_typed(x):
+        return x
+    with labelled("gradient", where):
+        return to_host(x)
 
 
 def _add(param: Any, update: Any) -> Any:
@@ -103,22 +112,26 @@ class HostUpdate:
         if not self.on_host(state):
             return self.device_update(updates, state, params, **extra_args)
         grads, given = self._operands(updates, state, params, extra_args)
-        inner = self.inner
+        tx, applied, inner_state, ready = self._split(grads, state)
 
-        def update(grads, inner_state, params, extra_args):
-            return call_update(inner, grads, inner_state, params, extra_args)
+        def update(grads, inner_state, params, extra_args, ready):
+            def full():
+                return call_update(tx, grads, inner_state, params, extra_args)
+
+            return when_ready(ready, full, lambda shapes: (zeros(shapes[0]), inner_state))
 
         new_updates, new_inner = on_host(
             update,
-            grads,
-            state.inner,
+            applied,
+            inner_state,
             given,
             extra_args,
+            ready,
             flatten=flatten_transfers(),
-            name="optimizer update",
+            name=self._name("optimizer update"),
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
         )
-        return new_updates, type(state)(new_inner)
+        return new_updates, self._stored(state, new_inner, grads)
 
     def update_and_apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
         """The host update and the sum for host-resident parameters in one host
@@ -127,31 +140,39 @@ class HostUpdate:
         The updates of host-resident parameters never leave that computation: passed from
         one host computation to another (`update` then `apply_on_host`), XLA:GPU places
         them in *device* memory in between (a scanned 8 x 1024^2 model: 8.25P of device
-        memory against 7.25P for the layer-streamed device update)."""
+        memory against 7.25P for the layer-streamed device update).
+
+        Delayed (`delay=1`), the computation applies the *pending* gradients and reads
+        nothing the step computes, so it overlaps the step's forward and backward
+        passes; the step's own gradients are sent to host memory as the new pending ones."""
         grads, given = self._operands(grads, state, params, extra_args)
-        inner = self.inner
+        tx, applied, inner_state, ready = self._split(grads, state)
         host = jax.tree_util.tree_map(lambda p: p if is_host_typed(p) else None, trainable(params))
 
-        def update(grads, inner_state, given, host, extra_args):
-            updates, new_inner = call_update(inner, grads, inner_state, given, extra_args)
-            is_none = lambda x: x is None  # noqa: E731
-            new_host = jax.tree_util.tree_map(
-                lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=is_none
-            )
-            others = jax.tree_util.tree_map(
-                lambda p, u: u if p is None else None, host, updates, is_leaf=is_none
-            )
-            return new_host, others, new_inner
+        def update(grads, inner_state, given, host, extra_args, ready):
+            def full():
+                updates, new_inner = call_update(tx, grads, inner_state, given, extra_args)
+                is_none = lambda x: x is None  # noqa: E731
+                new_host = jax.tree_util.tree_map(
+                    lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=is_none
+                )
+                others = jax.tree_util.tree_map(
+                    lambda p, u: u if p is None else None, host, updates, is_leaf=is_none
+                )
+                return new_host, others, new_inner
+
+            return when_ready(ready, full, lambda shapes: (host, zeros(shapes[1]), inner_state))
 
         new_host, others, new_inner = on_host(
             update,
-            grads,
-            state.inner,
+            applied,
+            inner_state,
             given,
             host,
             extra_args,
+            ready,
             flatten=flatten_transfers(),
-            name="optimizer update and apply",
+            name=self._name("optimizer update and apply"),
             labels=(
                 ("gradient", "grads"),
                 ("optimizer", "opt_state"),
@@ -159,7 +180,32 @@ class HostUpdate:
                 ("parameter", "params"),
             ),
         )
-        return new_host, others, type(state)(new_inner)
+        return new_host, others, self._stored(state, new_inner, grads)
+
+    def _name(self, name: str) -> str:
+        """The host computation's name: `delayed ...` for a delayed update (which the
+        work counter prices beside the backward pass)."""
+        return name if delayed_tx(self.inner) is None else f"delayed {name}"
+
+    def _split(self, grads: Any, state: Any) -> tuple:
+        """`(transformation, gradients it applies, its state, ready)`: the step's
+        gradients and the whole state, or, delayed, the pending gradients, the wrapped
+        transformation's state and the flag saying they are pending."""
+        tx = delayed_tx(self.inner)
+        if tx is None:
+            return self.inner, grads, state.inner, None
+        inner = state.inner
+        return tx, inner.pending, inner.state, inner.ready
+
+    def _stored(self, state: Any, new_inner: Any, grads: Any) -> Any:
+        """The new state: delayed, the transformation's new state, the step's gradients
+        in host memory (pending) and `ready`; otherwise the new state as it is."""
+        if delayed_tx(self.inner) is None:
+            return type(state)(new_inner)
+        pending = jax.tree_util.tree_map_with_path(
+            lambda path, g: _to_host_labelled(g, "grads" + jax.tree_util.keystr(path)), grads
+        )
+        return type(state)(Delayed(new_inner, pending, to_host(jnp.asarray(True))))
 
     def _operands(self, updates: Any, state: Any, params: Any, extra_args: dict) -> tuple:
         """The gradients and, if the transformation reads them, the parameters, checked

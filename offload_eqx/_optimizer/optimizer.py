@@ -10,12 +10,15 @@ parameter each leaf mirrors. `stream=None` fetches the whole state for the updat
 
 from typing import Any, cast
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 from .._declare.placement import UPDATES, check_memory
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
 from .._trace.state import active_plan
+from .delayed import DELAYS, Delayed, delayed
 from .host import HostUpdate, apply_on_host
 from .state import (
     NAME,
@@ -81,6 +84,22 @@ def _check_update_on(update_on, stream, memory) -> None:
             f"{NAME}(update_on='host', memory={memory!r}): the host update keeps the "
             "state in host memory. Drop `memory` (it is 'pinned_host'), or use "
             "`update_on='device'` for a state on the device."
+        )
+
+
+def _check_delay(delay, stream) -> None:
+    if isinstance(delay, bool) or delay not in DELAYS:
+        raise ValueError(
+            f"{NAME}(delay=...) is {delay!r}; expected 0 (each step applies its own "
+            "gradients) or 1 (each step applies the previous step's gradients, so that "
+            "an update on the host overlaps the forward and backward passes)."
+        )
+    if delay and stream is not None:
+        raise ValueError(
+            f"{NAME}(delay={delay}, stream={stream!r}): the delayed update applies the "
+            "whole pending gradient in one update; a stream fetches the state piece by "
+            "piece after the backward pass. Drop `stream` (and use `update_on='host'` "
+            "to overlap the update with the step), or drop `delay`."
         )
 
 
@@ -162,6 +181,7 @@ def offload_optimizer(
     layers: int | None = None,
     memory: str = "pinned_host",
     check: bool = True,
+    delay: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state lives in `memory` between steps.
 
@@ -195,6 +215,13 @@ def offload_optimizer(
         `"device"`. Strategies passed to `ox.filter_jit`/`ox.place` override it.
     - `check`: with a stream, trace `tx` at `init` and raise a `ValueError` if it couples
         parameters (or, with `"layer"`, is not elementwise).
+    - `delay`: `0` (default) or `1`, ZeRO-Offload's delayed parameter update: each step
+        applies the *previous* step's gradients (the first step applies none) and keeps
+        its own, in the state, for the next. The update then reads nothing the step
+        computes, so with `update_on="host"` it runs on the host while the device
+        computes the forward and backward passes. Results differ from `delay=0` by
+        exactly that staleness; `ox.apply_pending` applies the last gradients (before an
+        evaluation, at the end of training). Not with a stream.
 
     Only floating-point array leaves are optimized: integer, boolean and non-array leaves
     get no state and a `None` update (`ox.apply_updates` leaves them unchanged).
@@ -213,8 +240,11 @@ def offload_optimizer(
     global_transform = _as_transformation(global_transform)
     _check_options(tx, stream, global_transform, layers, memory, check)
     _check_update_on(update_on, stream, memory)
+    _check_delay(delay, stream)
     if stream is None:
         inner = tx if global_transform is None else optax.chain(global_transform, tx)
+        if delay:
+            inner = delayed(inner)
         init_fn, update_fn = _whole_state(inner, memory, update_on)
     else:
         init_fn = stream_init(tx, global_transform, layers, memory, check)
@@ -256,6 +286,29 @@ def update_and_apply(
     else:
         updates, opt_state = opt.update(grads, opt_state, params)
     return apply_updates(params, updates), opt_state
+
+
+def apply_pending(opt: Any, opt_state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
+    """Apply the gradients a delayed optimizer (`ox.offload_optimizer(..., delay=1)`)
+    holds: returns `(new_params, new_opt_state)` with nothing pending, so that the next
+    step applies none (as the first step does). Call it where the parameters must
+    include every gradient computed so far: before an evaluation, at the end of
+    training. With nothing pending, the parameters and the state are returned unchanged.
+
+    **Raises:** a `TypeError` for a state that is not a delayed optimizer's.
+    """
+    inner = getattr(opt_state, "inner", None)
+    if not isinstance(inner, Delayed):
+        raise TypeError(
+            "ox.apply_pending: the optimizer state holds no pending gradients; it is the "
+            f"state of {type(opt_state).__qualname__}. Only the state of "
+            "`ox.offload_optimizer(..., delay=1)` has them."
+        )
+    new_params, new_state = update_and_apply(opt, inner.pending, opt_state, params, **extra_args)
+    ready = new_state.inner.ready
+    cleared = jnp.zeros((), dtype=ready.dtype)
+    cleared = to_host(cleared) if is_host_typed(ready) else cleared
+    return new_params, eqx.tree_at(lambda s: s.inner.ready, new_state, cleared)
 
 
 def apply_updates(model: Any, updates: Any) -> Any:

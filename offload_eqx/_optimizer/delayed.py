@@ -1,0 +1,109 @@
+"""The delayed update, `ox.offload_optimizer(..., delay=1)` (ZeRO-Offload's delayed
+parameter update).
+
+Definition. With parameters `p_t` and the gradient `g_t = grad L(p_t, batch_t)` of step
+`t`, a step of the delayed update returns
+
+    p_{t+1} = p_t + U(g_{t-1}, s_{t-1}, p_t)        (p_{t+1} = p_t at the first step)
+
+and keeps `g_t` for the next step: each gradient is applied one step late, to the
+parameters of the step after the one that computed it. `U` is the wrapped optax
+transformation and `s` its state, updated only when a gradient is applied. The update of
+a step therefore reads nothing that step computes: with the update on the host, its host
+computation depends on the step's inputs alone, and XLA runs it while the device computes
+the forward and backward passes (the compiled schedule issues the host call before the
+loops and waits for it after them).
+
+The state is `Delayed(state, pending, ready)`: the transformation's state, the gradient
+waiting to be applied (shaped and placed like the parameters, in the optimizer state's
+memory) and whether one is waiting (False after `init` and after `ox.apply_pending`).
+It is part of the optimizer state, so a checkpoint of the state holds the pending
+gradient and a restarted run continues exactly.
+"""
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from .state import call_update
+
+DELAYS = (0, 1)
+
+
+class Delayed(eqx.Module):
+    """The inner state of `ox.offload_optimizer(..., delay=1)`: `state` is the wrapped
+    transformation's, `pending` the last step's gradients (the parameters' structure:
+    `pending.layers.w` mirrors `layers.w`), `ready` whether they are still to be applied."""
+
+    state: Any
+    pending: Any
+    ready: Any
+
+
+class DelayedUpdate:
+    """The `update` of the delayed transformation: applies the pending gradients (if any)
+    and keeps the new ones. Host updates find `tx` on it and split the two, so that the
+    host computation never waits for the step's own gradients."""
+
+    def __init__(self, tx: optax.GradientTransformation):
+        self.tx = tx
+
+    def __call__(self, grads: Any, state: Delayed, params: Any = None, **extra_args: Any):
+        def full():
+            return call_update(self.tx, state.pending, state.state, params, extra_args)
+
+        def kept(shapes):
+            return zeros(shapes[0]), state.state
+
+        updates, inner = when_ready(state.ready, full, kept)
+        return updates, Delayed(inner, grads, jnp.asarray(True))
+
+
+def delayed(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx` with a one-step delay (see the module docstring)."""
+
+    def init(params: Any) -> Delayed:
+        pending = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return Delayed(tx.init(params), pending, jnp.asarray(False))
+
+    return optax.GradientTransformationExtraArgs(cast(Any, init), cast(Any, DelayedUpdate(tx)))
+
+
+def delayed_tx(inner: Any) -> optax.GradientTransformation | None:
+    """The wrapped transformation when `inner` is a delayed one, else None."""
+    update = getattr(inner, "update", None)
+    return update.tx if isinstance(update, DelayedUpdate) else None
+
+
+def zeros(shapes: Any) -> Any:
+    """Zeros of the shapes and dtypes of `shapes` (None leaves stay None)."""
+    return jax.tree_util.tree_map(
+        lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
+        shapes,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def when_ready(ready: Any, full: Callable[[], Any], kept: Callable[[Any], Any]) -> Any:
+    """`full()` when `ready` (a boolean scalar, or None: always), else `kept(shapes)`,
+    where `shapes` are `full()`'s output shapes: a `jax.lax.cond`, so that the first
+    step of a delayed update (nothing pending) changes neither the parameters nor the
+    state (Adam's count, weight decay)."""
+    if ready is None:
+        return full()
+    shapes = jax.eval_shape(full)
+
+    def skip():
+        out = kept(shapes)
+        return jax.tree_util.tree_map(
+            lambda x, s: None if x is None else jnp.asarray(x).astype(s.dtype),
+            out,
+            shapes,
+            is_leaf=lambda x: x is None,
+        )
+
+    return jax.lax.cond(ready, full, skip)
