@@ -245,6 +245,21 @@ def to_numpy(tree):
     return jax.tree_util.tree_map(np.asarray, eqx.filter(tree, eqx.is_array))
 
 
+def assert_close_to_scale(ours, reference) -> None:
+    """Every array leaf within 1e-6 of the reference leaf's scale: a host update rounds
+    differently (an element near zero of a layer of scale 0.4 was 1.1e-7 off on one
+    machine, against 1e-7 allowed absolutely), and a wrong update moves a parameter by
+    about the learning rate, 1e-2."""
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(to_numpy(ours)),
+        jax.tree_util.tree_leaves(to_numpy(reference)),
+    ):
+        scale = float(np.max(np.abs(b), initial=0.0))
+        np.testing.assert_allclose(
+            a, b, rtol=1e-6, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
 def rotated(
     cases: Any,
     strategies: Any,

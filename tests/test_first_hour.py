@@ -213,6 +213,7 @@ PLOTS = (  # (the experiment that draws it, the plot)
     ("transformer_offload.py", "transformer_offload.png"),
     ("planner.py", "planner_smoke.png"),
     ("planner.py", "planner_13b_timeline.png"),  # planner.py --timeline
+    ("host_update.py", "host_update_13b_timeline.png"),  # host_update.py --headline
 )
 _IMAGE = re.compile(r"!\[[^\]]*\]\((plots/[\w.-]+\.png)\)\n\n([^\n]+)")
 

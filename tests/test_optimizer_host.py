@@ -10,11 +10,17 @@ host are refused with errors that say what to do.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from beartype import beartype
-from helpers import HostSquare, HostStack, loss_fn, rotated, scanned_model, to_numpy
+from helpers import (
+    HostSquare,
+    HostStack,
+    assert_close_to_scale,
+    loss_fn,
+    rotated,
+    scanned_model,
+)
 from jaxtyping import Array, Float, jaxtyped
 
 import offload_eqx as ox
@@ -72,17 +78,7 @@ def _train(opt, strategy, *, apply="update_and_apply", steps=3):
 
 @jaxtyped(typechecker=beartype)
 def _assert_equal(ours: eqx.Module, reference: eqx.Module) -> None:
-    """Within 1e-6 of each leaf's scale: the host update rounds differently (an element
-    near zero of a layer of scale 0.4 was 1.1e-7 off on one machine, against 1e-7 allowed
-    absolutely), and a wrong update moves a parameter by about the learning rate, 1e-2."""
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(to_numpy(ours)),
-        jax.tree_util.tree_leaves(to_numpy(reference)),
-    ):
-        scale = float(np.max(np.abs(b), initial=0.0))
-        np.testing.assert_allclose(
-            a, b, rtol=1e-6, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path)
-        )
+    assert_close_to_scale(ours, reference)
 
 
 # Each chain under the two strategies that keep its state on the host and one of the others
