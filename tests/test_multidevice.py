@@ -244,7 +244,9 @@ def test_host_update_on_a_mesh_matches_one_device(strategy):
 
 
 @on_eight_devices
-@pytest.mark.parametrize("strategy", ["offload_optimizer", "hybrid"])
+@pytest.mark.parametrize(
+    "strategy", ["hybrid", pytest.param("offload_optimizer", marks=pytest.mark.full)]
+)
 def test_delayed_host_update_on_a_mesh_matches_one_device(strategy):
     """`update_on="host", delay=1` on a 2x4 mesh equals the same run on one device (which
     `test_optimizer_delayed.py` checks against the definition); the pending gradients
