@@ -54,9 +54,10 @@ def _estimate(problem, **strategy):
 
 
 # The H100 with a host too slow to update on (1 GB/s of memory bandwidth, 10 GFLOP/s):
-# with the H100's own host, the plan that updates everything on the host is the fastest
-# that fits this budget (since a host update's host-memory arguments are not donated, no
-# copies follow it), and the budget is not filled by a plan in between.
+# with the H100's own host, a plan with parameters and state on the host, updated there,
+# is the fastest that fits this budget (since a host update's host-memory arguments are
+# not donated, no copies follow it: `remat[k=save,q=save] params=pinned_host
+# optimizer=host`, 2026-11-26), and the budget is not filled by a plan in between.
 SLOW_HOST = dataclasses.replace(
     ox.TARGETS["h100"],
     speeds=dataclasses.replace(ox.TARGETS["h100"].speeds, host_bandwidth=1e9, host_flops=1e10),
