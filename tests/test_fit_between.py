@@ -58,9 +58,11 @@ def _estimate(problem, **strategy):
 # is the fastest that fits this budget (since a host update's host-memory arguments are
 # not donated, no copies follow it: `remat[k=save,q=save] params=pinned_host
 # optimizer=host`, 2026-11-26), and the budget is not filled by a plan in between.
+_H100_SPEEDS = ox.TARGETS["h100"].speeds
+assert _H100_SPEEDS is not None
 SLOW_HOST = dataclasses.replace(
     ox.TARGETS["h100"],
-    speeds=dataclasses.replace(ox.TARGETS["h100"].speeds, host_bandwidth=1e9, host_flops=1e10),
+    speeds=dataclasses.replace(_H100_SPEEDS, host_bandwidth=1e9, host_flops=1e10),
 )
 
 
