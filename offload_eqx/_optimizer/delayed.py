@@ -11,8 +11,9 @@ parameters of the step after the one that computed it. `U` is the wrapped optax
 transformation and `s` its state, updated only when a gradient is applied. The update of
 a step therefore reads nothing that step computes: with the update on the host, its host
 computation depends on the step's inputs alone, and XLA runs it while the device computes
-the forward and backward passes (the compiled schedule issues the host call before the
-loops and waits for it after them).
+the forward and backward passes (XLA:GPU's schedule issues the host call before the
+loops, or after the forward loop when the backward loop alone covers it, and waits for
+it after them).
 
 The state is `Delayed(state, pending, ready)`: the transformation's state, the gradient
 waiting to be applied (shaped and placed like the parameters, in the optimizer state's
