@@ -88,9 +88,11 @@ def dot_flops(module: Module, computation: Computation, instruction: Instruction
 
 
 def convolution_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
-    """2 x (result elements) x (kernel elements per output feature): the kernel's input
-    features are already those of one feature group."""
+    """2 x (result elements) x (kernel elements per output feature) x the share of the
+    window's taps that meet input elements: the kernel's input features are already those
+    of one feature group."""
     result = _first(instruction.type)
+    lhs = _first(module.operand_type(computation, instruction.operands[0]))
     kernel = _first(module.operand_type(computation, instruction.operands[1]))
     if result is None or kernel is None:
         return 0.0
@@ -100,22 +102,73 @@ def convolution_flops(module: Module, computation: Computation, instruction: Ins
     per_output = kernel.elements / (
         kernel.dims[out_feature] if 0 <= out_feature < len(kernel.dims) else 1
     )
-    return 2.0 * result.elements * per_output * _taps_on_input(instruction)
+    lhs_labels = labels.split("_")[0]
+    sizes = [
+        lhs.dims[lhs_labels.index(str(d))] if lhs is not None and str(d) in lhs_labels else None
+        for d in range(10)
+    ]
+    return 2.0 * result.elements * per_output * _taps_on_input(instruction, sizes)
 
 
-def _taps_on_input(instruction: Instruction) -> float:
-    """Of a window's taps, the share that meet input elements. With `lhs_dilate=d` the
-    input has `d - 1` holes between its elements, so a window of `s` taps meets at most
-    `ceil(s / d)` of them: XLA:TPU writes a batched dot as a convolution whose batch
-    dimensions are windows as large as their dilation, one tap of which is real."""
+def _window(instruction: Instruction) -> dict[str, list[str]]:
+    """The fields of a convolution's `window={size=1x16 pad=0_0x15_15 ...}`, split by
+    spatial dimension."""
     window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
-    size = re.search(r"\bsize=([\dx]+)", window.group(1)) if window else None
-    dilate = re.search(r"\blhs_dilate=([\dx]+)", window.group(1)) if window else None
-    if size is None or dilate is None:
+    fields = re.findall(r"(\w+)=([\w-]+)", window.group(1)) if window else []
+    return {key: value.split("x") for key, value in fields}
+
+
+def _real_taps(n: int, size: int, stride: int, low: int, high: int, dilate: int, rhs: int):
+    """(taps meeting an input element, all taps) summed over the outputs of one spatial
+    dimension: the input has `n` elements `dilate` apart, `low`/`high` padding around them,
+    and a window of `size` taps `rhs` apart moves by `stride`."""
+    span = (n - 1) * dilate + 1 + low + high
+    outputs = max(0, (span - (size - 1) * rhs - 1) // stride + 1)
+    last = (n - 1) * dilate  # the last input element's position, padding excluded
+    real = 0
+    for tap in range(size):
+        offset = tap * rhs - low  # position of the tap at output 0, relative to input 0
+        first = max(0, -(offset // stride))  # ceil(-offset / stride)
+        final = min(outputs - 1, (last - offset) // stride)
+        if final < first:
+            continue
+        if dilate == 1:
+            real += final - first + 1
+            continue
+        # outputs o with (o * stride + offset) a multiple of `dilate`
+        g = math.gcd(stride, dilate)
+        if offset % g:
+            continue
+        period = dilate // g
+        start = (-offset // g) * pow(stride // g, -1, period) % period if period > 1 else 0
+        real += (final - start) // period - (first - 1 - start) // period
+    return real, outputs * size
+
+
+def _taps_on_input(instruction: Instruction, sizes: list[int | None]) -> float:
+    """Of a window's taps, the share that meet input elements rather than padding or the
+    holes of input dilation. XLA:TPU writes a batched dot as a convolution whose batch
+    dimensions are windows as large as their dilation (one tap of each is real), and a
+    head-split projection as a window of 16 over a padded input of 1 (one tap is real)."""
+    window = _window(instruction)
+    taps = window.get("size")
+    if not taps:
         return 1.0
-    sizes = [int(v) for v in size.group(1).split("x")]
-    dilations = [int(v) for v in dilate.group(1).split("x")]
-    return math.prod(math.ceil(s / d) / s for s, d in zip(sizes, dilations))
+    share = 1.0
+    for d, size in enumerate(int(t) for t in taps):
+        n = sizes[d] if d < len(sizes) else None
+        if n is None:
+            continue
+
+        def field(key: str, default: str, d: int = d) -> str:
+            values = window.get(key)
+            return values[d] if values and d < len(values) else default
+
+        low, high = (int(v) for v in field("pad", "0_0").split("_"))
+        stride, dilate, rhs = (int(field(k, "1")) for k in ("stride", "lhs_dilate", "rhs_dilate"))
+        real, total = _real_taps(n, size, stride, low, high, dilate, rhs)
+        share *= real / total if total else 1.0
+    return share
 
 
 def _gemm_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
