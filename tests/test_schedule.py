@@ -540,3 +540,34 @@ def test_a_windows_real_taps_are_counted_as_the_definition_counts_them(window):
     real = sum(p >= 0 and p % dilate == 0 and p // dilate < n for p in positions)
     assert _real_taps(*window) == (real, outputs * size)
     assert 0 < real < outputs * size  # each case has taps on both sides
+
+
+@pytest.mark.deviceless
+def test_xla_tpu_moves_one_layers_slice_of_an_offloaded_activation_per_copy():
+    """XLA:TPU offloads a scanned activation with a `dynamic-update-slice-start` into a
+    host buffer holding every layer's, and fetches it back with a `dynamic-slice-start`:
+    each moves one layer's slice. Pricing the whole buffer for each layer made q/k/v
+    offloading of Llama-2-13B on a v5p slice 9 times slower than full remat (41 s
+    simulated against 4.4 s)."""
+    pytest.importorskip("libtpu", reason="needs the 'tpu' extra")
+    layers, rows, width = 8, 1024, 512
+    model = eqx.filter_eval_shape(
+        lambda: HostStack(HostSquare(jnp.zeros((layers, width, width))))
+    )
+    x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    strategy = ox.Strategy("offload_x", "device", "device", "remat", names={"x": "offload"})
+    step = ox.filter_jit(
+        lambda m, x: eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(m), strategy=strategy
+    )
+    estimate = ox.estimate(step, model, x, target="tpu-v5p")
+    sim, speeds = _simulation(estimate), _speeds("tpu-v5p")
+    assert sim.program is not None
+    opcodes = {i.opcode for c in sim.program.computations.values() for i in c.instructions}
+    assert {"dynamic-slice-start", "dynamic-update-slice-start"} <= opcodes
+    layer_bytes = rows * width * 4
+    assert estimate.h2d_bytes == estimate.d2h_bytes == layers * layer_bytes
+    for resource, moved, bandwidth in (
+        ("h2d", estimate.h2d_bytes, speeds.h2d_bandwidth),
+        ("d2h", estimate.d2h_bytes, speeds.d2h_bandwidth),
+    ):
+        assert sim.busy[resource] == pytest.approx(moved / bandwidth, rel=0.05)

@@ -323,7 +323,11 @@ class _Simulator:
     def copy_or_fusion(
         self, computation: Computation, instruction: Instruction, opcode: str
     ) -> Work:
-        """The work of a `copy-start` (or a `fusion-start` in its short form)."""
+        """The work of a `copy-start`, a `dynamic-slice-start` or
+        `dynamic-update-slice-start` (XLA:TPU's fetch and offload of one layer's slice of a
+        host buffer), or a `fusion-start` in its short form."""
+        if opcode in ("dynamic-slice", "dynamic-update-slice"):
+            return self.slice_work(computation, instruction, opcode)
         if opcode == "copy":
             source = self.module.operand_type(computation, instruction.operands[0])
             result = (
@@ -336,6 +340,24 @@ class _Simulator:
             dst_host = any(a.host for a in arrays(result))
             return Work(0.0, 0.0, size if src_host else 0.0, size if dst_host else 0.0)
         return fusion_work(self.module, computation, instruction)
+
+    def slice_work(self, computation: Computation, instruction: Instruction, opcode: str) -> Work:
+        """A slice moves the piece it reads out (`dynamic-slice`: its result, the second
+        element of the start's tuple) or writes in place (`dynamic-update-slice`: its
+        update operand), not the whole buffer."""
+        buffer = self.module.operand_type(computation, instruction.operands[0])
+        if opcode == "dynamic-slice":
+            result = instruction.type
+            piece = result[1] if isinstance(result, tuple) and len(result) > 1 else result
+            source, destination = buffer, piece
+        else:
+            piece = self.module.operand_type(computation, instruction.operands[1])
+            source, destination = piece, buffer
+        size = float(nbytes(piece))
+        src_host = any(a.host for a in arrays(source))
+        dst_host = any(a.host for a in arrays(destination))
+        device = size * ((not src_host) + (not dst_host))
+        return Work(0.0, device, size if src_host else 0.0, size if dst_host else 0.0)
 
     def link_work(self, work: Work) -> tuple[str, float, Work]:
         """Asynchronous work on the copy engine of the direction it moves most, or, moving
