@@ -323,10 +323,10 @@ class _Simulator:
     def copy_or_fusion(
         self, computation: Computation, instruction: Instruction, opcode: str
     ) -> Work:
-        """The work of a `copy-start`, a `dynamic-slice-start` or
+        """The work of a `copy-start`, a `slice-start`, `dynamic-slice-start` or
         `dynamic-update-slice-start` (XLA:TPU's fetch and offload of one layer's slice of a
         host buffer), or a `fusion-start` in its short form."""
-        if opcode in ("dynamic-slice", "dynamic-update-slice"):
+        if opcode in ("slice", "dynamic-slice", "dynamic-update-slice"):
             return self.slice_work(computation, instruction, opcode)
         if opcode == "copy":
             source = self.module.operand_type(computation, instruction.operands[0])
@@ -342,11 +342,11 @@ class _Simulator:
         return fusion_work(self.module, computation, instruction)
 
     def slice_work(self, computation: Computation, instruction: Instruction, opcode: str) -> Work:
-        """A slice moves the piece it reads out (`dynamic-slice`: its result, the second
-        element of the start's tuple) or writes in place (`dynamic-update-slice`: its
+        """A slice moves the piece it reads out (`slice`, `dynamic-slice`: its result, the
+        second element of the start's tuple) or writes in place (`dynamic-update-slice`: its
         update operand), not the whole buffer."""
         buffer = self.module.operand_type(computation, instruction.operands[0])
-        if opcode == "dynamic-slice":
+        if opcode != "dynamic-update-slice":
             result = instruction.type
             piece = result[1] if isinstance(result, tuple) and len(result) > 1 else result
             source, destination = buffer, piece
