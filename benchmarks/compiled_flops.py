@@ -99,7 +99,8 @@ def main() -> None:
             print(f"{r['target']} | {r['size']} | not compiled: {r['error']}")
             continue
         print(
-            f"{r['target']} | {r['size']} | {r['jaxpr'] / 1e12:.3f} | {r['simulated'] / 1e12:.3f} | "
+            f"{r['target']} | {r['size']} | {r['jaxpr'] / 1e12:.3f} | "
+            f"{r['simulated'] / 1e12:.3f} | "
             f"{r['simulated'] / r['jaxpr']:.4f} | {r['compiled_once'] / 1e12:.4f} | "
             f"{r['cost_analysis'] / 1e12:.4f} | {r['compiled_once'] / r['cost_analysis']:.4f}"
         )

@@ -66,6 +66,7 @@ from _planner_report import (  # noqa: E402
     search_table,
 )
 from _report import pyplot, target_available  # noqa: E402
+from _repricing import at_link, break_even, no_overlap  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -192,41 +193,6 @@ def _row(name: str, estimate: Any, memory: dict, config: Config, target: ox.Targ
     }
 
 
-def _no_overlap(phases: dict) -> float:
-    """Seconds of a step with nothing overlapped: each phase takes its compute, both
-    copies and its host work one after the other."""
-    return sum(p["compute"] + p["h2d"] + p["d2h"] + p["host"] for p in phases.values())
-
-
-def _at_link(estimate: Any, bandwidth: float) -> Any:
-    """The same compiled program simulated again with a host link of `bandwidth` bytes/s
-    host-to-device (device-to-host scaled alike)."""
-    speeds = estimate.speeds
-    scale = bandwidth / speeds.h2d_bandwidth
-    return estimate.with_speeds(h2d_bandwidth=bandwidth, d2h_bandwidth=speeds.d2h_bandwidth * scale)
-
-
-def _break_even(offloaded: Any, remat: Any) -> float | None:
-    """The host-to-device bandwidth (GB/s; device-to-host scaled alike) below which
-    `offloaded` is predicted slower than `remat`, its compiled program simulated at each
-    bandwidth (None: faster down to 0.1 GB/s; inf: slower even at ten times the
-    target's link)."""
-    nominal = offloaded.speeds.h2d_bandwidth / GB
-
-    def gain(bandwidth: float) -> float:
-        return remat.seconds - _at_link(offloaded, bandwidth * GB).seconds
-
-    low, high = 0.1, 10 * nominal
-    if gain(high) <= 0:
-        return float("inf")  # slower even at ten times the link's bandwidth
-    if gain(low) > 0:
-        return None
-    for _ in range(16):  # to within 2.5% of the bandwidth
-        middle = (low * high) ** 0.5
-        low, high = (low, middle) if gain(middle) > 0 else (middle, high)
-    return high
-
-
 def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
     """`ox.fit` for one (config, target), the presets beside it, every candidate's point."""
     target = ox.TARGETS[target_name]
@@ -300,12 +266,12 @@ def plan_one(config: Config, target_name: str, max_compiles: int) -> dict:
         - sum(qkv["phases"][p]["seconds"] for p in ("forward", "backward"))
         / sum(remat["phases"][p]["seconds"] for p in ("forward", "backward")),
         "qkv_vs_remat_traced": 1 - qkv["traced_seconds"] / remat["traced_seconds"],
-        "qkv_vs_remat_no_overlap": 1 - _no_overlap(qkv["phases"]) / _no_overlap(remat["phases"]),
+        "qkv_vs_remat_no_overlap": 1 - no_overlap(qkv["phases"]) / no_overlap(remat["phases"]),
         "qkv_vs_remat_at_link": {
-            str(bw): 1 - _at_link(qkv_estimate, bw * GB).seconds / remat_estimate.seconds
+            str(bw): 1 - at_link(qkv_estimate, bw * GB).seconds / remat_estimate.seconds
             for bw in LINKS
         },
-        "break_even_link": _break_even(qkv_estimate, remat_estimate),
+        "break_even_link": break_even(qkv_estimate, remat_estimate),
         "recompute_saved": remat["recompute_flops"] - qkv["recompute_flops"],
         "recompute_saved_share": (remat["recompute_flops"] - qkv["recompute_flops"])
         / remat["flops"],

@@ -71,10 +71,11 @@ def planner():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
         import _planner_report  # pyright: ignore[reportMissingImports]
+        import _repricing  # pyright: ignore[reportMissingImports]
         import planner  # pyright: ignore[reportMissingImports]
     finally:
         sys.path.remove(str(EXPERIMENTS))
-    planner.report = _planner_report
+    planner.report, planner.repricing = _planner_report, _repricing
     return planner
 
 
@@ -105,15 +106,15 @@ def test_planner_reprices_by_simulating_again(planner):
     # a 0.2 s update; full remat: 1.2 s of compute and the update.
     offloaded = _Priced(speeds, lambda bw: max(1.0, 0.5 * nominal / bw) + 0.01 * nominal / bw + 0.2)
     remat = _Priced(speeds, lambda bw: 1.4)
-    slower = planner._at_link(offloaded, nominal / 4)
+    slower = planner.repricing.at_link(offloaded, nominal / 4)
     assert slower.speeds.d2h_bandwidth == pytest.approx(speeds.d2h_bandwidth / 4)
     assert slower.seconds == pytest.approx(2.0 + 0.04 + 0.2)
     # Offloading pays while 0.5 s + 0.01 s of copies, scaled by 32 GB/s / bandwidth, stay
     # under the 1.2 s that recomputing takes: down to 32 x 0.51 / 1.2 GB/s.
-    assert planner._break_even(offloaded, remat) == pytest.approx(32 * 0.51 / 1.2, 0.03)
+    assert planner.repricing.break_even(offloaded, remat) == pytest.approx(32 * 0.51 / 1.2, 0.03)
     zero = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     phases = {"forward": {**zero, "compute": 1.0, "h2d": 0.5, "d2h": 0.5}, "update": zero}
-    assert planner._no_overlap(phases) == pytest.approx(2.0)
+    assert planner.repricing.no_overlap(phases) == pytest.approx(2.0)
     assert planner.report.pareto([(1, 5), (2, 3), (3, 4), (4, 1)]) == [(1, 5), (2, 3), (4, 1)]
 
 

@@ -551,9 +551,7 @@ def test_xla_tpu_moves_one_layers_slice_of_an_offloaded_activation_per_copy():
     simulated against 4.4 s)."""
     pytest.importorskip("libtpu", reason="needs the 'tpu' extra")
     layers, rows, width = 8, 1024, 512
-    model = eqx.filter_eval_shape(
-        lambda: HostStack(HostSquare(jnp.zeros((layers, width, width))))
-    )
+    model = eqx.filter_eval_shape(lambda: HostStack(HostSquare(jnp.zeros((layers, width, width)))))
     x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
     strategy = ox.Strategy("offload_x", "device", "device", "remat", names={"x": "offload"})
     step = ox.filter_jit(
