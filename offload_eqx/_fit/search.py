@@ -168,8 +168,7 @@ class Search:
 
     def devices(self, choice: Choice) -> int:
         """How many devices a plan runs on (its mesh's)."""
-        mesh = self.wrapper(choice).plan(*self.args, **self.kwargs).mesh
-        return 1 if mesh is None else int(np.prod(list(mesh.shape.values())))
+        return self.wrapper(choice).plan(*self.args, **self.kwargs).devices
 
     def named(self, choice: Choice, policy: str) -> int:
         """Bytes of the named values a plan gives `policy` (in the share of the layers

@@ -174,6 +174,12 @@ class Plan:
         ]
 
     @property
+    def devices(self) -> int:
+        """How many devices the step runs on: its mesh's size (1 off a mesh). Per-device
+        figures (memory bounds, the work each device does) divide by it."""
+        return 1 if self.mesh is None else int(np.prod(list(self.mesh.shape.values())))
+
+    @property
     def offloads_activations(self) -> bool:
         """True when the remat policy offloads some named activation (in some layer)."""
         return any("offload" in policies_of(p) for p in self.activations.values())

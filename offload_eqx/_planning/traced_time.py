@@ -95,8 +95,7 @@ def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], speeds:
     """Trace `step` once (nothing compiled): its work priced at `speeds`, its transfers."""
     report, jaxpr = audit_traced(step, *args, **kwargs)
     plan = step.plan(*args, **kwargs)
-    devices = 1 if plan.mesh is None else int(np.prod(list(plan.mesh.shape.values())))
-    return Costs(_work(jaxpr, speeds), tuple(report.transfers), devices, jaxpr)
+    return Costs(_work(jaxpr, speeds), tuple(report.transfers), plan.devices, jaxpr)
 
 
 def priced_at(costs: Costs, speeds: Speeds) -> Costs:
