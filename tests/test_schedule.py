@@ -154,6 +154,42 @@ def test_unknown_trip_counts_and_long_loops():
     assert sim.seconds == pytest.approx(1000 * (MIB2 / 1e9 + 2 * MIB2 / 1e12))
 
 
+# A host computation that updates one layer of a stack held whole in host memory (the
+# stack's index is an operand): XLA:GPU passes the whole stack and slices it on the host.
+HOST_LAYER = """HloModule host_layer, is_scheduled=true
+
+%host_update (g: f32[1048576], stack: f32[8,1048576], i: s32[]) -> f32[1048576] {
+  %g = f32[1048576]{0} parameter(0)
+  %stack = f32[8,1048576]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %layer = f32[1,1048576]{1,0} dynamic-slice(%stack, %i, %zero), dynamic_slice_sizes={1,1048576}
+  %w = f32[1048576]{0} reshape(%layer)
+  ROOT %new = f32[1048576]{0} subtract(%w, %g)
+}
+
+ENTRY %main (g: f32[1048576], stack: f32[8,1048576], i: s32[]) -> f32[1048576] {
+  %g = f32[1048576]{0:S(5)} parameter(0)
+  %stack = f32[8,1048576]{1,0:S(5)} parameter(1)
+  %i = s32[] parameter(2)
+  %call-start = ((f32[1048576]{0:S(5)}, f32[8,1048576]{1,0:S(5)}, s32[]), f32[1048576]{0}, u32[]) custom-call-start(%g, %stack, %i), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%host_update}
+  ROOT %call-done = f32[1048576]{0} custom-call-done(%call-start)
+}
+"""
+
+
+def test_a_host_computation_reads_only_the_layer_it_slices_from_a_stack():
+    sim = simulate(HOST_LAYER, SPEEDS)
+    # The gradient, one 4 MiB layer of the 32 MiB stack and the 4 MiB result, at the
+    # host's 1 GB/s (the index's 4 bytes too).
+    layer = 4 * 2**20
+    assert sim.busy["host"] == pytest.approx((3 * layer + 4) / 1e9)
+    # Used whole, the stack is read whole.
+    line = "  %w = f32[1048576]{0} reshape(%layer)\n"
+    whole = HOST_LAYER.replace(line, line + "  %all = f32[8,1048576]{1,0} negate(%stack)\n")
+    assert simulate(whole, SPEEDS).busy["host"] > 8 * layer / 1e9
+
+
 ALL_REDUCE = """HloModule collective, is_scheduled=true
 
 %add (x: f32[], y: f32[]) -> f32[] {

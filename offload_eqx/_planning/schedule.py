@@ -83,13 +83,16 @@ class _Simulator:
 
     def host_seconds(self, name: str) -> float:
         """A host computation, as XLA:CPU compiles it (its elementwise work fused into
-        loops): one pass over what it reads and writes, and one more read of what each
+        loops): one pass over what it reads (of an operand it only slices, the slices: a
+        layer of a host stack) and writes, and one more read of what each
         reduction reduces (a global norm must be known before the update that uses it),
         at the host's bandwidth; or its dots at the host's FLOP rate, if longer."""
         computation = self.module.computations.get(name)
         if computation is None:
             return 0.0
-        moved = sum(nbytes(i.type) for i in computation.instructions if i.opcode == "parameter")
+        moved = sum(
+            _read_bytes(computation, i) for i in computation.instructions if i.opcode == "parameter"
+        )
         moved += nbytes(computation.root.type)
         moved += sum(
             nbytes(self.module.operand_type(computation, i.operands[0]))
@@ -432,3 +435,16 @@ def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0)
         simulator.first_touch(temp_bytes)
     simulator.run(module.entry)
     return dataclasses.replace(simulator.result(), program=module, temp_bytes=temp_bytes)
+
+
+_SLICES = ("slice", "dynamic-slice")
+
+
+def _read_bytes(computation: Computation, parameter: Instruction) -> int:
+    """What a host computation reads of one of its parameters: the slices it takes when
+    slicing is all it does with it (a layer of a stack held whole in host memory), else
+    the whole parameter."""
+    users = [i for i in computation.instructions if any(n == parameter.name for n, _ in i.operands)]
+    if users and all(u.opcode in _SLICES and u.operands[0][0] == parameter.name for u in users):
+        return min(sum(nbytes(u.type) for u in users), nbytes(parameter.type))
+    return nbytes(parameter.type)
