@@ -26,9 +26,11 @@ The search, step by step as `fit` below calls them (each step's module in bracke
    leaves on the host) is found by bisection over compiles.
 5. **Check by simulation** (`search`): every compiled plan that fits has its
    compiled program's schedule simulated; up to `CHECKS` more plans that the jaxpr count
-   ranked behind the best, but below the fastest simulated time, are compiled too, and
-   the plan returned is the fastest simulated one. The count cannot see collectives,
-   exposed copies or fusion; the simulation can.
+   ranked behind the best, but below the fastest simulated time, are compiled too (first
+   one that updates where no compiled plan that fits does: on the host, or on the
+   device), and the plan returned is the fastest simulated one. The count cannot see
+   collectives, exposed copies, fusion or a host update overlapping the loops; the
+   simulation can.
 6. **Explain** (`result`): the result, or an error saying what was shown: that no plan
    fits (the least memory found, by the most frugal plan), or which plans that might fit
    were left untried when the compiles ran out, and which compiles crashed.
@@ -90,10 +92,12 @@ def fit(
     candidates are compiled in order of that time until the rest are predicted slower
     than the best plan that fits, and a plan that keeps at least what an over-budget plan
     of the same base and placement kept is not compiled. Each compiled plan that fits is
-    priced again by simulating its compiled schedule (collectives, exposed copies), a
-    few plans the count ranked just behind are compiled to check its order, and the plan
-    returned is the fastest simulated one. The planning guide of the
-    documentation site ("Planning: estimate, fit, max_batch") has an example.
+    priced again by simulating its compiled schedule (collectives, exposed copies, a host
+    update overlapping the loops), a few plans the count ranked just behind are compiled
+    to check its order (first, one that updates on the host if only device updates were
+    compiled, or the reverse), and the plan returned is the fastest simulated one. The
+    planning guide of the documentation site ("Planning: estimate, fit, max_batch") has
+    an example.
 
     **Returns:** an `ox.FitResult`: `.strategy` (an `ox.Strategy` for `ox.filter_jit`),
     `.estimate`, `.candidates`.

@@ -349,16 +349,28 @@ def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
     traffic than its recomputation), and it sees no collective and no exposed copy. So
     the count's best plan of each other base and placement (`family`) that has no
     compiled plan fitting, and that may fit, is compiled too, up to `CHECKS` of them in
-    the count's order: `ox.fit` then answers with the fastest simulated plan."""
+    the count's order: `ox.fit` then answers with the fastest simulated plan.
+
+    Where the update runs is checked first: a host update overlaps the device's work in
+    the compiled schedule (a delayed one beside both loops) and takes the optimizer's
+    kernels off the device, which the count cannot see; so when no plan updating where
+    the count's best plan does not has been compiled fitting, the count's best such plan
+    is the first checked."""
     if not search.fitting:
         return
     compiled = {(c.base, c.placement) for c in search.fitting}
-    order = sorted(
-        ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
-        key=lambda item: item[0],
-    )
+    order = [
+        choice
+        for _, choice in sorted(
+            ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
+            key=lambda item: item[0],
+        )
+    ]
+    updates = {_on_host(c) for c in search.fitting}
+    other = [c for c in order if _on_host(c) not in updates]
+    order = other[:1] + order  # met twice: the second is skipped as compiled
     checked = 0
-    for _, choice in order:
+    for choice in order:
         family = (choice.base, choice.placement)
         if checked >= CHECKS or search.compiles >= search.max_compiles:
             break
@@ -370,6 +382,11 @@ def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
         compiled.add(family)  # one try per family, whether it fits or not
         search.compile(choice)
         checked += 1
+
+
+def _on_host(choice: Choice) -> bool:
+    """Whether the plan updates on the host."""
+    return choice.optimizer == "host"
 
 
 def compile_in_order(search: Search, loads: dict[Choice, Load]) -> None:
