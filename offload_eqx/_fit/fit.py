@@ -27,8 +27,9 @@ The search, step by step as `fit` below calls them (each step's module in bracke
 5. **Check by simulation** (`search`): every compiled plan that fits has its
    compiled program's schedule simulated; up to `CHECKS` more plans that the jaxpr count
    ranked behind the best, but below the fastest simulated time, are compiled too (first
-   one that updates where no compiled plan that fits does: on the host, or on the
-   device), and the plan returned is the fastest simulated one. The count cannot see
+   one that updates where no compiled plan that fits does, on the host or on the device,
+   if the count prices it below that time), and the plan returned is the fastest
+   simulated one. The count cannot see
    collectives, exposed copies, fusion or a host update overlapping the loops; the
    simulation can.
 6. **Explain** (`result`): the result, or an error saying what was shown: that no plan
@@ -95,7 +96,8 @@ def fit(
     priced again by simulating its compiled schedule (collectives, exposed copies, a host
     update overlapping the loops), a few plans the count ranked just behind are compiled
     to check its order (first, one that updates on the host if only device updates were
-    compiled, or the reverse), and the plan returned is the fastest simulated one. The
+    compiled, or the reverse, when the count prices it below the fastest simulated
+    plan), and the plan returned is the fastest simulated one. The
     planning guide of the documentation site ("Planning: estimate, fit, max_batch") has
     an example.
 

@@ -353,21 +353,25 @@ def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
 
     Where the update runs is checked first: a host update overlaps the device's work in
     the compiled schedule (a delayed one beside both loops) and takes the optimizer's
-    kernels off the device, which the count cannot see; so when no plan updating where
-    the count's best plan does not has been compiled fitting, the count's best such plan
-    is the first checked."""
+    kernels off the device, which the count cannot see. So when no compiled plan that
+    fits updates on the host (or none on the device), the count's best plan that does
+    is the first checked, if the count prices it below the fastest simulated plan (an
+    undelayed host update at scale, which the count prices about as the simulation does
+    and several times slower, costs no compile)."""
     if not search.fitting:
         return
     compiled = {(c.base, c.placement) for c in search.fitting}
-    order = [
-        choice
-        for _, choice in sorted(
-            ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
-            key=lambda item: item[0],
-        )
-    ]
+    priced = sorted(
+        ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
+        key=lambda item: item[0],
+    )
+    order = [choice for _, choice in priced]
+    fastest = search.fastest_simulated()
+    assert fastest is not None
     updates = {_on_host(c) for c in search.fitting}
-    other = [c for c in order if _on_host(c) not in updates]
+    other = [
+        c for key, c in priced if _on_host(c) not in updates and key[0] < _simulated(fastest[1])
+    ]
     order = other[:1] + order  # met twice: the second is skipped as compiled
     checked = 0
     for choice in order:
