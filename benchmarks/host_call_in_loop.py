@@ -17,11 +17,12 @@ weights (bf16) and Adam moments (f32) live in host memory, trained four ways:
   computation depends on the step's inputs only.
 
 For each: the simulated step (`ox.estimate`'s simulator on the compiled text), the host
-computation's busy time and the time the device waits for it, the link's busy time each
-way, how many device matmuls
-XLA scheduled between the host call's start and done in the backward loop's body, and the
-bytes of whole-stack copies outside the loops. The in-loop programs are schedule probes:
-they skip the edge layers' updates, so they are not a correct optimizer.
+computation's busy time (with its operands and results in device memory crossing the
+link as part of it) and the time the device waits for it, the link's busy time each way,
+how many device matmuls XLA scheduled between the host call's start and done in the
+backward loop's body, and the bytes of whole-stack copies outside the loops. The in-loop
+programs are schedule probes: they skip the edge layers' updates, so they are not a
+correct optimizer.
 
     JAX_PLATFORMS=cpu python benchmarks/host_call_in_loop.py           # 8 x 2048^2, 16k tokens
     JAX_PLATFORMS=cpu python benchmarks/host_call_in_loop.py --smoke   # 8 x 512^2, 2k tokens

@@ -179,15 +179,30 @@ ENTRY %main (g: f32[1048576], stack: f32[8,1048576], i: s32[]) -> f32[1048576] {
 
 
 def test_a_host_computation_reads_only_the_layer_it_slices_from_a_stack():
-    sim = simulate(HOST_LAYER, SPEEDS)
-    # The gradient, one 4 MiB layer of the 32 MiB stack and the 4 MiB result, at the
-    # host's 1 GB/s (the index's 4 bytes too).
+    # The result lands in host memory: the gradient, one 4 MiB layer of the 32 MiB stack
+    # and the 4 MiB result, at the host's 1 GB/s (the index's 4 bytes too).
+    in_host = HOST_LAYER.replace("f32[1048576]{0}, u32[])", "f32[1048576]{0:S(5)}, u32[])")
     layer = 4 * 2**20
-    assert sim.busy["host"] == pytest.approx((3 * layer + 4) / 1e9)
+    assert simulate(in_host, SPEEDS).busy["host"] == pytest.approx((3 * layer + 4) / 1e9)
     # Used whole, the stack is read whole.
     line = "  %w = f32[1048576]{0} reshape(%layer)\n"
-    whole = HOST_LAYER.replace(line, line + "  %all = f32[8,1048576]{1,0} negate(%stack)\n")
+    whole = in_host.replace(line, line + "  %all = f32[8,1048576]{1,0} negate(%stack)\n")
     assert simulate(whole, SPEEDS).busy["host"] > 8 * layer / 1e9
+
+
+def test_a_host_computation_moves_what_it_reads_or_returns_in_device_memory():
+    """XLA:GPU returns a host call's results in device memory when a loop writes them
+    into a host stack: they cross the link (1 GB/s here) as part of the call. So does
+    an operand in device memory, the other way."""
+    layer = 4 * 2**20
+    host_work = (3 * layer + 4) / 1e9
+    returned = simulate(HOST_LAYER, SPEEDS)
+    assert returned.busy["host"] == pytest.approx(host_work + layer / 1e9)
+    read = HOST_LAYER.replace(
+        "%call-start = ((f32[1048576]{0:S(5)},", "%call-start = ((f32[1048576]{0},"
+    ).replace("f32[1048576]{0}, u32[])", "f32[1048576]{0:S(5)}, u32[])")
+    assert read != HOST_LAYER
+    assert simulate(read, SPEEDS).busy["host"] == pytest.approx(host_work + layer / 1e9)
 
 
 ALL_REDUCE = """HloModule collective, is_scheduled=true

@@ -102,6 +102,19 @@ class _Simulator:
         flops = inner_flops(self.module, name)
         return max(flops / self.speeds.host_flops, moved / self.speeds.host_bandwidth)
 
+    def device_side_seconds(self, start: Instruction) -> float:
+        """A host computation's operands in device memory cross the link before it runs,
+        and its results in device memory after (XLA:GPU returns a host call's results
+        to the device when a loop writes them into a host stack): their bytes at the
+        link's bandwidth each way, as part of the call. The start's type is `((operands),
+        results, context)`."""
+        if not isinstance(start.type, tuple) or len(start.type) < 2:
+            return 0.0
+        operands, results = start.type[0], start.type[1]
+        read = sum(a.bytes for a in arrays(operands) if not a.host and a.dims)
+        written = sum(a.bytes for a in arrays(results) if not a.host and a.dims)
+        return read / self.speeds.d2h_bandwidth + written / self.speeds.h2d_bandwidth
+
     def collective_seconds(
         self, opcode: str, instruction: Instruction, computation: Computation
     ) -> float:
@@ -316,7 +329,8 @@ class _Simulator:
                 if wrapped is not None and instruction.opcode == "async-start"
                 else instruction
             )
-            return "host", sum(self.host_seconds(c) for c in inner.calls), Work()
+            seconds = sum(self.host_seconds(c) for c in inner.calls)
+            return "host", seconds + self.device_side_seconds(instruction), Work()
         if opcode in COLLECTIVES:
             return "network", self.collective_seconds(opcode, instruction, computation), Work()
         if instruction.opcode == "async-start" and wrapped is not None:
