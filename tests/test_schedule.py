@@ -19,7 +19,7 @@ from helpers import HostSquare, HostStack
 
 import offload_eqx as ox
 from offload_eqx import Speeds
-from offload_eqx._planning.hlo import parse_module
+from offload_eqx._planning.hlo import arrays, parse_module
 from offload_eqx._planning.kernels import _real_taps, instruction_work
 from offload_eqx._planning.schedule import simulate
 from offload_eqx._planning.timeline import trace_events, write_timeline
@@ -351,6 +351,62 @@ def test_h100_host_update_runs_after_the_backward_pass_with_nothing_beside_it():
     assert update.end - update.start == pytest.approx(
         7 * 4 * 2**20 / speeds.host_bandwidth, rel=0.01
     )
+
+
+@pytest.mark.deviceless
+def test_h100_a_host_computation_in_a_loop_returns_its_results_to_the_device():
+    """A compiler fact the in-loop host update depends on (`benchmarks/README.md`, "A
+    host update inside the backward loop"): XLA:GPU, as JAX 0.10.2 reaches it, returns
+    the results of a host computation inside a loop to device memory when the loop
+    writes them into a host stack (and reads the loop's slices of host stacks from
+    device memory), so each layer's state would cross the link twice. When this fails,
+    XLA keeps them in host memory, and that design may pay."""
+    _h100()
+    from jax.experimental.compute_on import compute_on
+
+    from offload_eqx._targets.devices import target_mesh
+
+    mesh = target_mesh("h100")
+    spec = jax.sharding.PartitionSpec()
+    host = jax.sharding.NamedSharding(mesh.abstract_mesh, spec, memory_kind="pinned_host")
+
+    @compute_on("device_host")
+    @jax.jit
+    def update(w, g):
+        return w - 0.1 * g
+
+    def step(W, G):
+        def body(_, wg):
+            return None, jax.device_put(update(*wg), host)
+
+        return jax.lax.scan(body, None, (W, G))[1]
+
+    stack = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=host)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step, out_shardings=host).trace(stack, stack).lower().compile()
+    module = parse_module(compiled.as_text())
+    (start,) = [
+        i
+        for c in module.computations.values()
+        for i in c.instructions
+        if i.opcode == "custom-call-start"
+        and "host" in (i.attribute("async_execution_thread") or "")
+    ]
+    assert isinstance(start.type, tuple)
+    (result,) = [a for a in arrays(start.type[1]) if a.dims]
+    assert not result.host  # returned to the device, then written to the host stack
+    # The slices of the host stacks it reads are fetched to the device first, too.
+    assert not any(a.host for a in arrays(start.type[0]) if a.dims)
+    # Each of the 4 trips: w and g to the host, one pass over them and the result on
+    # the host, then the result to the device.
+    speeds = _speeds("h100")
+    layer = 256 * 256 * 4
+    per_trip = (
+        2 * layer / speeds.d2h_bandwidth
+        + 3 * layer / speeds.host_bandwidth
+        + layer / speeds.h2d_bandwidth
+    )
+    assert simulate(compiled, speeds).busy["host"] == pytest.approx(4 * per_trip, rel=0.01)
 
 
 @pytest.mark.deviceless
