@@ -384,7 +384,9 @@ def test_h100_a_host_computation_in_a_loop_returns_its_results_to_the_device():
     stack = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=host)
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, out_shardings=host).trace(stack, stack).lower().compile()
-    module = parse_module(compiled.as_text())
+    text = compiled.as_text()
+    assert text is not None
+    module = parse_module(text)
     (start,) = [
         i
         for c in module.computations.values()
