@@ -246,6 +246,14 @@ def _read_bytes(computation: Computation, parameter: Instruction, users: dict) -
     return total
 
 
+def parameter_read_bytes(computation: Computation, parameter: Instruction) -> float:
+    """What `computation` reads of one of its parameters: the pieces it slices out when
+    slicing (or updating in place) is all it does with it, else the whole parameter."""
+    sliced = _read_bytes(computation, parameter, _users(computation))
+    whole = float(nbytes(parameter.type))
+    return whole if sliced is None else min(sliced, whole)
+
+
 def _written(computation: Computation, instruction: Instruction) -> list[tuple[float, bool]]:
     """(bytes written, in host memory) for each array a fused root writes."""
     if instruction.opcode == "tuple":

@@ -43,6 +43,7 @@ from .kernels import (
     inner_flops,
     instruction_work,
     is_free,
+    parameter_read_bytes,
 )
 
 # Iterations of one loop simulated event by event; the rest repeat the last one's time.
@@ -91,7 +92,9 @@ class _Simulator:
         if computation is None:
             return 0.0
         moved = sum(
-            _read_bytes(computation, i) for i in computation.instructions if i.opcode == "parameter"
+            parameter_read_bytes(computation, i)
+            for i in computation.instructions
+            if i.opcode == "parameter"
         )
         moved += nbytes(computation.root.type)
         moved += sum(
@@ -449,16 +452,3 @@ def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0)
         simulator.first_touch(temp_bytes)
     simulator.run(module.entry)
     return dataclasses.replace(simulator.result(), program=module, temp_bytes=temp_bytes)
-
-
-_SLICES = ("slice", "dynamic-slice")
-
-
-def _read_bytes(computation: Computation, parameter: Instruction) -> int:
-    """What a host computation reads of one of its parameters: the slices it takes when
-    slicing is all it does with it (a layer of a stack held whole in host memory), else
-    the whole parameter."""
-    users = [i for i in computation.instructions if any(n == parameter.name for n, _ in i.operands)]
-    if users and all(u.opcode in _SLICES and u.operands[0][0] == parameter.name for u in users):
-        return min(sum(nbytes(u.type) for u in users), nbytes(parameter.type))
-    return nbytes(parameter.type)
