@@ -133,17 +133,16 @@ def test_an_optimizer_declared_on_the_host_is_searched_on_the_device_where_the_t
         ox.estimate(step, model, opt_state, tokens, target="tpu-v5p", compile=False)
 
 
-@pytest.mark.parametrize("share", [None, 2], ids=["ample", "half"])
-def test_a_delayed_optimizer_is_searched_and_its_host_update_overlaps_the_step(problem, share):
+def test_a_delayed_optimizer_is_searched_and_its_host_update_overlaps_the_step(problem):
     """The delay (`ox.offload_optimizer(..., delay=1)`) is the user's choice, since it
     changes the results; `ox.fit` searches where its update runs. The host update is the
-    fastest simulated plan, with memory to spare and under half the baseline's: its host
-    computation applies the previous step's gradients while the device runs the loops,
-    which `ox.fit` sees only if it compiles the candidate as `ox.filter_jit` would (with
-    XLA:GPU's latency-hiding scheduler). The jaxpr count ranks it behind every device
-    update (it cannot see the optimizer's kernels leave the device), so with memory to
-    spare it is found only because the check by simulation tries the other update
-    location first."""
+    fastest simulated plan: its host computation applies the previous step's gradients
+    while the device runs the loops. `ox.fit` finds it only if it compiles it (the jaxpr
+    count ranks it behind every device update: it cannot see the optimizer's kernels
+    leave the device, so the check by simulation tries the other update location
+    first), and only if it compiles it as `ox.filter_jit` would, with XLA:GPU's
+    latency-hiding scheduler (without, the host computation does not overlap and a
+    device update wins). Either missing fails this test."""
     model, _, tokens = problem[1]
     optimizer = ox.offload_optimizer(optax.adamw(1e-3, weight_decay=0.01), delay=1)
     state = jax.tree_util.tree_map(
@@ -151,16 +150,9 @@ def test_a_delayed_optimizer_is_searched_and_its_host_update_overlaps_the_step(p
         eqx.filter_eval_shape(optimizer.init, model),
     )
     args = (model, state, tokens)
-    budget = None
-    if share is not None:
-        baseline = ox.estimate(decoder.make_step(optimizer, "baseline"), *args, target="h100")
-        assert baseline.device_bytes is not None
-        budget = baseline.device_bytes // share
     step = decoder.make_step(optimizer, "annotated")
-    result = ox.fit(step, *args, target="h100", device_budget=budget, max_compiles=8)
+    result = ox.fit(step, *args, target="h100", max_compiles=8)
     assert result.strategy.update == "host"
-    used = result.estimate.device_bytes
-    assert used is not None and (budget is None or used <= budget)
     sim = result.estimate.simulation
     assert sim is not None and sim.busy["host"] > 0
     assert sim.waited.get("host", 0.0) < 0.5 * sim.busy["host"]
