@@ -29,9 +29,8 @@ The search, step by step as `fit` below calls them (each step's module in bracke
    ranked behind the best, but below the fastest simulated time, are compiled too (first
    one that updates where no compiled plan that fits does, on the host or on the device,
    if the count prices it below that time), and the plan returned is the fastest
-   simulated one. The count cannot see
-   collectives, exposed copies, fusion or a host update overlapping the loops; the
-   simulation can.
+   simulated one. The count cannot see collectives, exposed copies, fusion or a host
+   update overlapping the loops; the simulation can.
 6. **Explain** (`result`): the result, or an error saying what was shown: that no plan
    fits (the least memory found, by the most frugal plan), or which plans that might fit
    were left untried when the compiles ran out, and which compiles crashed.
@@ -97,9 +96,8 @@ def fit(
     update overlapping the loops), a few plans the count ranked just behind are compiled
     to check its order (first, one that updates on the host if only device updates were
     compiled, or the reverse, when the count prices it below the fastest simulated
-    plan), and the plan returned is the fastest simulated one. The
-    planning guide of the documentation site ("Planning: estimate, fit, max_batch") has
-    an example.
+    plan), and the plan returned is the fastest simulated one. The planning guide of the
+    documentation site ("Planning: estimate, fit, max_batch") has an example.
 
     **Returns:** an `ox.FitResult`: `.strategy` (an `ox.Strategy` for `ox.filter_jit`),
     `.estimate`, `.candidates`.

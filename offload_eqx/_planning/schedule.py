@@ -85,9 +85,9 @@ class _Simulator:
     def host_seconds(self, name: str) -> float:
         """A host computation, as XLA:CPU compiles it (its elementwise work fused into
         loops): one pass over what it reads (of an operand it only slices, the slices: a
-        layer of a host stack) and writes, and one more read of what each
-        reduction reduces (a global norm must be known before the update that uses it),
-        at the host's bandwidth; or its dots at the host's FLOP rate, if longer."""
+        layer of a host stack) and writes, and one more read of what each reduction
+        reduces (a global norm must be known before the update that uses it), at the
+        host's bandwidth; or its dots at the host's FLOP rate, if longer."""
         computation = self.module.computations.get(name)
         if computation is None:
             return 0.0
