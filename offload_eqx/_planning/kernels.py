@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 
-from .hlo import Array, Computation, Instruction, Module, arrays, nbytes
+from .hlo import Array, Computation, Instruction, Module, Type, arrays, nbytes
 
 # Instructions that run no kernel: they name, alias or group buffers.
 FREE = frozenset(
@@ -345,6 +345,17 @@ def is_free(instruction: Instruction) -> bool:
     )
 
 
+def piece_work(source: Type, destination: Type, piece: Type) -> Work:
+    """A slice or an in-place update moves one piece (`piece`'s bytes) from `source`'s
+    memory to `destination`'s, not the whole buffer: read from host memory over the link
+    (or from HBM), written likewise."""
+    size = float(nbytes(piece))
+    src_host = any(a.host for a in arrays(source))
+    dst_host = any(a.host for a in arrays(destination))
+    device = size * ((not src_host) + (not dst_host))
+    return Work(0.0, device, size if src_host else 0.0, size if dst_host else 0.0)
+
+
 def instruction_work(module: Module, computation: Computation, instruction: Instruction) -> Work:
     """The work of one synchronous instruction run as a kernel (`is_free` ones do none)."""
     opcode = instruction.opcode
@@ -352,25 +363,12 @@ def instruction_work(module: Module, computation: Computation, instruction: Inst
         return Work()
     if opcode == "fusion":
         return fusion_work(module, computation, instruction)
-    if opcode in _SLICING or opcode in _IN_PLACE:
-        # A slice reads what it returns; an in-place update reads and writes the update.
-        piece = (
-            instruction.type
-            if opcode in _SLICING
-            else module.operand_type(
-                computation, instruction.operands[1 if opcode == "dynamic-update-slice" else -1]
-            )
-        )
-        host_in = any(
-            a.host for a in arrays(module.operand_type(computation, instruction.operands[0]))
-        )
-        host_out = any(a.host for a in arrays(instruction.type))
-        size = float(nbytes(piece))
-        return Work(
-            0.0,
-            size * ((not host_in) + (not host_out)),
-            size if host_in else 0.0,
-            size if host_out else 0.0,
-        )
+    if opcode in _SLICING:  # reads what it returns
+        buffer = module.operand_type(computation, instruction.operands[0])
+        return piece_work(buffer, instruction.type, instruction.type)
+    if opcode in _IN_PLACE:  # reads the update, writes it into the buffer
+        index = 1 if opcode == "dynamic-update-slice" else -1
+        update = module.operand_type(computation, instruction.operands[index])
+        return piece_work(update, instruction.type, update)
     work = _moved(module, computation, instruction, own_flops(module, computation, instruction))
     return dataclasses.replace(work, transposes=opcode == "transpose")

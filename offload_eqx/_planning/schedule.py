@@ -44,6 +44,7 @@ from .kernels import (
     instruction_work,
     is_free,
     parameter_read_bytes,
+    piece_work,
 )
 
 # Iterations of one loop simulated event by event; the rest repeat the last one's time.
@@ -362,22 +363,16 @@ class _Simulator:
         return fusion_work(self.module, computation, instruction)
 
     def slice_work(self, computation: Computation, instruction: Instruction, opcode: str) -> Work:
-        """A slice moves the piece it reads out (`slice`, `dynamic-slice`: its result, the
-        second element of the start's tuple) or writes in place (`dynamic-update-slice`: its
-        update operand), not the whole buffer."""
+        """An asynchronous slice moves the piece it reads out (`slice`, `dynamic-slice`:
+        its result, the second element of the start's tuple) or writes in place
+        (`dynamic-update-slice`: its update operand), as a synchronous one does."""
         buffer = self.module.operand_type(computation, instruction.operands[0])
         if opcode != "dynamic-update-slice":
             result = instruction.type
             piece = result[1] if isinstance(result, tuple) and len(result) > 1 else result
-            source, destination = buffer, piece
-        else:
-            piece = self.module.operand_type(computation, instruction.operands[1])
-            source, destination = piece, buffer
-        size = float(nbytes(piece))
-        src_host = any(a.host for a in arrays(source))
-        dst_host = any(a.host for a in arrays(destination))
-        device = size * ((not src_host) + (not dst_host))
-        return Work(0.0, device, size if src_host else 0.0, size if dst_host else 0.0)
+            return piece_work(buffer, piece, piece)
+        update = self.module.operand_type(computation, instruction.operands[1])
+        return piece_work(update, buffer, update)
 
     def link_work(self, work: Work) -> tuple[str, float, Work]:
         """Asynchronous work on the copy engine of the direction it moves most, or, moving
