@@ -125,10 +125,11 @@ def in_loop(host, dev, send_next: bool):
     return step
 
 
-def compile_text(step: Callable, shapes: tuple, out_memory: str, mesh) -> str:
+def compile_text(step: Callable, shapes: tuple, mesh) -> str:
+    """The compiled text of `step`, its results in host memory."""
     host = NamedSharding(mesh.abstract_mesh, PartitionSpec(), memory_kind="pinned_host")
     with jax.set_mesh(mesh):
-        lowered = jax.jit(step, out_shardings=host if out_memory == "host" else None)
+        lowered = jax.jit(step, out_shardings=host)
         compiled = lowered.trace(*shapes).lower().compile(compiler_options=dict(OVERLAP_OPTIONS))
     return compiled.as_text()
 
@@ -176,7 +177,7 @@ def measure(width: int, tokens: int) -> list[dict]:
     rows = []
     for name, (step, shapes) in plans.items():
         begin = time.perf_counter()
-        text = compile_text(step, shapes, "host", mesh)
+        text = compile_text(step, shapes, mesh)
         sim = simulate(text, speeds)
         rows.append(
             {

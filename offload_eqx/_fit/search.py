@@ -365,14 +365,14 @@ def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
         ((key_of(predict(load, search.speeds)[0], load), c) for c, load in loads.items()),
         key=lambda item: item[0],
     )
-    order = [choice for _, choice in priced]
     fastest = search.fastest_simulated()
     assert fastest is not None
     updates = {_on_host(c) for c in search.fitting}
     other = [
         c for key, c in priced if _on_host(c) not in updates and key[0] < _simulated(fastest[1])
     ]
-    order = other[:1] + order  # met twice: the second is skipped as compiled
+    # The first of `other` is met twice: the second time it is skipped as compiled.
+    order = other[:1] + [choice for _, choice in priced]
     checked = 0
     for choice in order:
         family = (choice.base, choice.placement)
