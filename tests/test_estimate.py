@@ -17,6 +17,7 @@ from beartype import beartype
 from jaxtyping import Array, Int, jaxtyped
 
 import offload_eqx as ox
+from offload_eqx._planning import traced_time
 from offload_eqx._planning.traced_time import Load, predict, speeds_of
 from offload_eqx._targets.targets import Speeds
 
@@ -146,6 +147,26 @@ def test_cpu_speeds_are_measured():
     speeds = speeds_of(ox.TARGETS["cpu"])
     assert speeds.flops > 1e8 and speeds.memory_bandwidth > 1e8
     assert speeds.h2d_bandwidth > 1e7 and speeds.host_memory > 2**30
+
+
+def _never_measured(monkeypatch) -> list:
+    """Record every measurement of the CPU's speeds (a second or more each)."""
+    measured = []
+    monkeypatch.setattr(traced_time, "cpu_speeds", lambda: measured.append(1) or SPEEDS)
+    return measured
+
+
+def test_a_wrong_call_fails_before_the_cpu_is_measured(monkeypatch):
+    measured = _never_measured(monkeypatch)
+    w = jnp.ones((4, 4))
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'x'"):
+        ox.estimate(lambda w, x: jnp.sum(w @ x), w, target="cpu")
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        ox.estimate(lambda w, x: jnp.sum(w @ x), w, jnp.ones((3,)), target="cpu")
+    assert not measured
+    # A right call is priced at the (here recorded) speeds.
+    assert ox.estimate(lambda w, x: jnp.sum(w @ x), w, w, target="cpu", compile=False).flops
+    assert measured
 
 
 def test_every_gpu_and_tpu_target_has_speeds():

@@ -193,3 +193,13 @@ def test_twelve_names_are_searched_along_a_frontier_not_every_combination():
     result = ox.fit(step, model, x, target="h100", max_compiles=2)
     assert len(result.candidates) <= 4 * (12 + 2)
     assert any("along a frontier" in note for note in result.notes)
+
+
+def test_a_wrong_call_fails_before_the_cpu_is_measured(monkeypatch):
+    from offload_eqx._planning import traced_time
+
+    measured = []
+    monkeypatch.setattr(traced_time, "cpu_speeds", lambda: measured.append(1))
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'x'"):
+        ox.fit(lambda w, x: jnp.sum(w @ x), jnp.ones((4, 4)), target="cpu", device_budget=2**30)
+    assert not measured

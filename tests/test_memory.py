@@ -284,3 +284,17 @@ def test_importing_with_the_accelerator_extras_is_quiet():
         "pyproject.toml must include nvidia-cuda-runtime-cu12.\n" + result.stderr
     )
     assert result.stderr == "", result.stderr
+
+
+def test_an_unknown_target_is_refused_before_the_step_is_traced():
+    traced = []
+
+    def step(x):
+        traced.append(1)
+        return x
+
+    with pytest.raises(ValueError, match="Unknown target 'h200'"):
+        memory_report(ox.filter_jit(step), jnp.ones(3), target="h200")
+    with pytest.raises(ValueError, match="Unknown target 'h200'"):
+        memory_report(step, jnp.ones(3), target="h200")
+    assert not traced

@@ -116,9 +116,10 @@ def fit(
     started = time.perf_counter()
     with reporting("ox.fit", progress) as report:
         search = Search(wrapper, args, kwargs, resolved, budget, 0, max_compiles, report)
-        search.host_limit = host_budget if host_budget is not None else search.speeds.host_memory
-        # 1. The candidates, priced by composition from a few traces (`price`).
+        # 1. The candidates, priced by composition from a few traces (`price`). The first
+        #    trace checks the call, before the CPU's speeds are measured.
         space = find_space(search)
+        search.host_limit = host_budget if host_budget is not None else search.speeds.host_memory
         loads, not_searched = price(search, space)
         # 2-3. Compiled in order of predicted time; memory bounds prune (`search`).
         compile_in_order(search, loads)

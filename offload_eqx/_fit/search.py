@@ -10,6 +10,7 @@ and when `CRASHES_PER_PLACEMENT` plans of its placement crashed the compiler.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,7 +31,7 @@ from .._planning.traced_time import (
     trace_costs,
 )
 from .._targets.deviceless import program_of_step
-from .._targets.targets import Target
+from .._targets.targets import Speeds, Target
 from .space import Candidate, Choice, NamedValue
 
 # Moving a leaf off the device frees more than its bytes: its gradient, and the float32
@@ -108,8 +109,11 @@ class Search:
     fitting: dict = dataclasses.field(default_factory=dict)  # Choice -> (key, StepEstimate)
     least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
 
-    def __post_init__(self):
-        self.speeds = speeds_of(self.target)
+    @functools.cached_property
+    def speeds(self) -> Speeds:
+        """The target's speeds, read when first priced: after the first trace, which
+        checks the call (the CPU's are measured, a second or more)."""
+        return speeds_of(self.target)
 
     # -- tracing -------------------------------------------------------------------------
 
@@ -128,7 +132,7 @@ class Search:
         if choice not in self.costs:
             try:
                 self.costs[choice] = trace_costs(
-                    self.wrapper(choice), self.args, self.kwargs, self.speeds
+                    self.wrapper(choice), self.args, self.kwargs, self.target
                 )
             except ContractError as error:  # e.g. a name with nothing to offload
                 self.costs[choice] = error

@@ -203,13 +203,14 @@ def memory_report(
 
     **Returns:** an `ox.MemoryReport`; `print` it for a table.
     """
+    resolved = get_target(target)  # an unknown target is refused before any trace
     if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
             raise ValueError(_NOT_FROM_PLAN.format(name=_name_of(fn)))
         program = program_of_step(fn, args, kwargs)
     else:
         program = program_of_function(fn, args, kwargs, in_memory, out_memory, donate_argnums)
-    return compiled_report(program, get_target(target), name or _name_of(fn))[0]
+    return compiled_report(program, resolved, name or _name_of(fn))[0]
 
 
 def compiled_report(program: Program, target: Target, name: str) -> tuple[MemoryReport, Any]:

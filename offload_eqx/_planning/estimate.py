@@ -246,8 +246,8 @@ def estimate_from(
     costs: Costs | None = None,
     compile: bool = True,
 ) -> StepEstimate:
-    speeds = speeds_of(target)
-    costs = costs or trace_costs(step, args, kwargs, speeds)
+    costs = costs or trace_costs(step, args, kwargs, target)
+    speeds = speeds_of(target)  # after the trace, which checks the call
     # Refused here as `memory_report` refuses it, not priced for a target that cannot run it.
     if costs.jaxpr is not None:
         check_host_compute(costs.jaxpr, target.platform, f"target {target.name!r}")

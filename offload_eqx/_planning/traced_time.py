@@ -91,11 +91,14 @@ class Costs:
         )
 
 
-def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], speeds: Speeds) -> Costs:
-    """Trace `step` once (nothing compiled): its work priced at `speeds`, its transfers."""
+def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], target: Target) -> Costs:
+    """Trace `step` once (nothing compiled): its work priced at the target's speeds, its
+    transfers. The trace comes first: a call it refuses (a missing argument, a shape
+    mismatch) fails before the CPU's speeds are measured (a second or more)."""
     report, jaxpr = audit_traced(step, *args, **kwargs)
     plan = step.plan(*args, **kwargs)
-    return Costs(_work(jaxpr, speeds), tuple(report.transfers), plan.devices, jaxpr)
+    work = _work(jaxpr, speeds_of(target))
+    return Costs(work, tuple(report.transfers), plan.devices, jaxpr)
 
 
 def priced_at(costs: Costs, speeds: Speeds) -> Costs:
