@@ -420,6 +420,47 @@ def _case_host_update_estimated_for_a_tpu(model, opt_state):
     ox.estimate(step, model, opt.init(model), jnp.ones((3, 16)), target="tpu-v5p", compile=False)
 
 
+# Issue 37, item 12: a step compiled ahead of time holds no plan to trace.
+
+
+def _ahead_of_time(model, opt_state, compile=True):
+    step = make_step(make_optimizer(), "annotated", donate="all")
+    lowered = step.lower(model, opt_state, jnp.ones((3, 16)))
+    return lowered.compile() if compile else lowered
+
+
+def _case_estimate_of_a_compiled_step(model, opt_state):
+    compiled = _ahead_of_time(model, opt_state)
+    ox.estimate(compiled, model, opt_state, jnp.ones((3, 16)), target="cpu", compile=False)
+
+
+def _case_audit_of_a_compiled_step(model, opt_state):
+    ox.audit(_ahead_of_time(model, opt_state), model, opt_state, jnp.ones((3, 16)))
+
+
+def _case_memory_report_of_a_compiled_step(model, opt_state):
+    compiled = _ahead_of_time(model, opt_state)
+    ox.memory_report(compiled, model, opt_state, jnp.ones((3, 16)))
+
+
+def _case_filter_jit_of_a_lowered_step(model, opt_state):
+    ox.filter_jit(_ahead_of_time(model, opt_state, compile=False))
+
+
+def _case_fit_of_a_compiled_step(model, opt_state):
+    compiled = _ahead_of_time(model, opt_state)
+    ox.fit(compiled, model, opt_state, jnp.ones((3, 16)), target="h100")
+
+
+def _case_max_batch_of_a_compiled_step(model, opt_state):
+    compiled = _ahead_of_time(model, opt_state)
+    ox.max_batch(compiled, _never_called, target="h100")
+
+
+def _case_compare_memory_targets_by_label(model, opt_state):
+    ox.compare_memory({}, target={"gpu": "h100"})
+
+
 def optax_adam_factory():
     import optax
 
@@ -521,6 +562,34 @@ BAD_INPUTS = [
         _case_host_update_estimated_for_a_tpu,
         ValueError,
         r"computes on the host.*target 'tpu-v5p' does not support.*update='device'",
+    ),
+    *(
+        (
+            case,
+            TypeError,
+            rf"{entry} was given `step.lower\(...\){built}` of "
+            r"ox.filter_jit\(step\): a program built ahead of time.*Pass the step itself "
+            rf"\(the `ox.filter_jit` object\): `{entry}\(step, \*args\)`",
+        )
+        for case, entry, built in [
+            (_case_estimate_of_a_compiled_step, "ox.estimate", r"\.compile\(\)"),
+            (_case_audit_of_a_compiled_step, "ox.audit", r"\.compile\(\)"),
+            (_case_memory_report_of_a_compiled_step, "ox.memory_report", r"\.compile\(\)"),
+            (_case_fit_of_a_compiled_step, "ox.fit", r"\.compile\(\)"),
+            (_case_max_batch_of_a_compiled_step, "ox.max_batch", r"\.compile\(\)"),
+        ]
+    ),  # fmt: skip
+    (
+        _case_filter_jit_of_a_lowered_step,
+        TypeError,
+        r"ox.filter_jit was given `step.lower\(...\)` of ox.filter_jit\(step\).*Pass the step "
+        r"itself \(the `ox.filter_jit` object\): `ox.filter_jit\(f\)`, `f` the function lowered",
+    ),
+    (
+        _case_compare_memory_targets_by_label,
+        TypeError,
+        r"ox.compare_memory\(target=\{'gpu': 'h100'\}\): expected a target name \('cpu', "
+        r"'h100'.*got a dict.*not read as labels.*Pass `target=\['h100'\]`",
     ),
     (
         _case_estimate_string_compile,

@@ -42,7 +42,7 @@ from typing import Any
 
 from .._base.options import checks_options
 from .._base.progress import reporting
-from .._jit.jit import FilterJit, filter_jit
+from .._jit.jit import step_of
 from .._targets.targets import get_target
 from .price import find_space, price
 from .refine import refine
@@ -112,7 +112,7 @@ def fit(
     budget = device_budget if device_budget is not None else resolved.capacity
     if budget is None:
         raise ValueError(_NO_BUDGET.format(target=resolved.name))
-    wrapper = step if isinstance(step, FilterJit) else filter_jit(step)
+    wrapper = step_of(step, "ox.fit")
     started = time.perf_counter()
     with reporting("ox.fit", progress) as report:
         search = Search(wrapper, args, kwargs, resolved, budget, 0, max_compiles, report)

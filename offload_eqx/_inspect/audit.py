@@ -36,7 +36,7 @@ from .._base.errors import (
 from .._base.table import format_bytes
 from .._declare.activations import policies_of
 from .._jit.guard import device_offenders
-from .._jit.jit import FilterJit, filter_jit
+from .._jit.jit import step_of
 from .._plan.plan import Plan
 from .jaxpr_walk import (
     _dce,
@@ -89,7 +89,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
 def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[TransferReport, Any]:
     """`audit`, and the traced program it walked (a `jax.extend.core.Jaxpr`, dead code
     removed): `ox.estimate` counts the work of the same program."""
-    wrapper = fn if isinstance(fn, FilterJit) else filter_jit(fn)
+    wrapper = step_of(fn, "ox.audit")
     name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
     # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
     # raises `HostUseError` naming it, which is the audit's answer too.

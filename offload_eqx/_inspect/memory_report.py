@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._base.table import format_bytes, format_table
+from .._jit.aot import refuse_ahead_of_time
 from .._jit.jit import FilterJit
 from .._targets.deviceless import (
     FIELDS,
@@ -41,7 +42,7 @@ from .._targets.deviceless import (
     program_of_function,
     program_of_step,
 )
-from .._targets.targets import Target, get_target
+from .._targets.targets import TARGETS, Target, get_target
 
 _BAD_PROGRAM = (
     "ox.compare_memory: program {name!r} is {value!r}; expected a tuple `(fn, args)` or "
@@ -203,6 +204,7 @@ def memory_report(
 
     **Returns:** an `ox.MemoryReport`; `print` it for a table.
     """
+    refuse_ahead_of_time(fn, "ox.memory_report")
     resolved = get_target(target)  # an unknown target is refused before any trace
     if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
@@ -289,8 +291,36 @@ class MemoryComparison:
     __repr__ = __str__
 
 
+_NOT_TARGETS = (
+    "ox.compare_memory(target={value!r}): expected a target name ({known}), an `ox.Target`, "
+    "or a list of them; got {kind}. {fix}"
+)
+
+
+def _targets(value: Any) -> list:
+    """`compare_memory`'s targets: a list or tuple of names and `Target`s. A mapping (of
+    labels to targets?) is refused: each column is labelled by its target's name."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, Mapping):
+        fix = (
+            "A dict is not read as labels for targets: each column is labelled by its "
+            f"target's name. Pass `target={list(value.values())!r}`; to label a target "
+            "otherwise, pass it renamed: `dataclasses.replace(ox.TARGETS['h100'], "
+            "name='label')`."
+        )
+    else:
+        fix = "Pass e.g. `target='h100'` or `target=['h100', 'tpu-v5p']`."
+    known = ", ".join(repr(t) for t in TARGETS)
+    kind = f"{'an' if type(value).__name__[0] in 'aeiou' else 'a'} {type(value).__name__}"
+    raise TypeError(_NOT_TARGETS.format(value=value, known=known, kind=kind, fix=fix))
+
+
 def compare_memory(
-    programs: Mapping[str, tuple], target: "str | Target | Sequence[str | Target]" = "cpu"
+    programs: Mapping[str, tuple],
+    # A name, a `Target` or a list of them: checked below, with a message that says what
+    # was meant (a dict of labels to targets, say).
+    target: Any = "cpu",
 ) -> MemoryComparison:
     """Memory reports of several programs side by side, on one target or several.
 
@@ -301,14 +331,15 @@ def compare_memory(
         step, or any function), `args` the tuple of its positional arguments (arrays or
         `jax.ShapeDtypeStruct`s) and `options` a dict of `ox.memory_report` keywords
         (`in_memory`, `out_memory`, `donate_argnums`).
-    - `target`: a target name or `ox.Target` (see `ox.memory_report`), or a sequence of
-        them: every program is compiled for every target. Unknown names fail before any
-        compile.
+    - `target`: a target name or `ox.Target` (see `ox.memory_report`), or a list of
+        them: every program is compiled for every target, and each column is labelled by
+        its target's name. Unknown names fail before any compile.
 
     **Returns:** an `ox.MemoryComparison`; `print` it for a table with a `vs first` and a
     `fits` column, and a line under it for every program that does not fit.
 
-    **Raises:** `TypeError` for a program that is not such a tuple; what
+    **Raises:** `TypeError` for a program that is not such a tuple, or a `target` that
+    is not a name, a `Target` or a list of them (a dict is refused); what
     `ox.memory_report` raises for a program that does not compile.
 
     For example, the same model under two strategies:
@@ -321,7 +352,7 @@ def compare_memory(
     )
     ```
     """
-    targets = [target] if isinstance(target, (str, Target)) else list(target)
+    targets = [target] if isinstance(target, (str, Target)) else _targets(target)
     resolved = [get_target(t) for t in targets]  # unknown names fail before any compile
     reports: dict[tuple[str, str], MemoryReport] = {}
     for t in resolved:

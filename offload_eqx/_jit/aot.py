@@ -20,6 +20,30 @@ _OTHER_CALL = (
 )
 
 
+_AHEAD_OF_TIME = (
+    "{where} was given {what}: a program built ahead of time for fixed arguments, which "
+    "holds no plan and cannot be traced again. Pass {fix}: {usage}."
+)
+
+
+def refuse_ahead_of_time(fn: Any, where: str, usage: str = "") -> None:
+    """Raise a `TypeError` if `fn` is a lowered or compiled program (`step.lower(...)`,
+    `.compile()`, or `jax.jit`'s), which `where` (`"ox.estimate"`) cannot trace: it
+    would fail inside the trace with JAX's words about a traced array. `usage`: the
+    right call (default `where(step, *args)`)."""
+    if isinstance(fn, (Lowered, Compiled)):
+        built = "step.lower(...)" + (".compile()" if isinstance(fn, Compiled) else "")
+        what = f"`{built}` of {fn._caller}"
+        fix = "the step itself (the `ox.filter_jit` object)"
+    elif isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
+        what = f"a `jax.stages.{type(fn).__name__}`"
+        fix = "the function itself (`ox.filter_jit(f)`, `jax.jit(f)` or `f`)"
+    else:
+        return
+    usage = usage or f"`{where}(step, *args)`, with the step's arguments"
+    raise TypeError(_AHEAD_OF_TIME.format(where=where, what=what, fix=fix, usage=usage))
+
+
 class Compiled:
     """What `Lowered.compile()` returns: the compiled program, called like the step."""
 

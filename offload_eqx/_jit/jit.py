@@ -22,7 +22,7 @@ from .._plan.plan import Plan
 from .._plan.walk import ARRAY_TYPES, format_keys
 from .._sharding.mesh import check_mesh, resolve_mesh
 from .._trace.state import current, tracing
-from .aot import Lowered
+from .aot import Lowered, refuse_ahead_of_time
 from .cache import Cache, cache_of
 from .compile import (
     Compilation,
@@ -327,6 +327,14 @@ def _changed_statics(roots: list[tuple[str, Any]], old: tuple, new: tuple) -> st
     return ", ".join(changed[:3])
 
 
+def step_of(fn: Any, where: str) -> FilterJit:
+    """What the planners and reports (`where`: `"ox.estimate"`) trace: `fn` itself if an
+    `ox.filter_jit` step, else `fn` wrapped in one; a program compiled ahead of time is
+    refused, saying to pass the step."""
+    refuse_ahead_of_time(fn, where)
+    return fn if isinstance(fn, FilterJit) else filter_jit(fn)
+
+
 def filter_jit(
     fn: Any = None,
     *,
@@ -415,6 +423,7 @@ def filter_jit(
             audit=audit,
             donate_on_error=donate_on_error,
         )
+    refuse_ahead_of_time(fn, "ox.filter_jit", "`ox.filter_jit(f)`, `f` the function lowered")
     if not callable(fn):
         raise TypeError(
             f"ox.filter_jit was given {fn!r} (a {type(fn).__name__}), which is not callable. "

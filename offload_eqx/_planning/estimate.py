@@ -21,7 +21,7 @@ from typing import Any
 from .._base.options import checks_options
 from .._base.table import format_bytes, format_table
 from .._inspect.memory_report import compiled_report
-from .._jit.jit import FilterJit, filter_jit
+from .._jit.jit import FilterJit, step_of
 from .._sharding.host_compute import check_host_compute
 from .._targets.deviceless import program_of_step
 from .._targets.targets import Speeds, Target, get_target
@@ -369,5 +369,5 @@ def estimate(
     (the prediction would price a program that does not do what it declares);
     `TypeError`, before any trace, for a `compile` that is not True or False.
     """
-    wrapper = step if isinstance(step, FilterJit) else filter_jit(step)
+    wrapper = step_of(step, "ox.estimate")
     return estimate_from(wrapper, args, kwargs, get_target(target), compile=compile)

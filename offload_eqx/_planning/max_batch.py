@@ -25,6 +25,7 @@ from .._base.progress import reporting
 from .._base.table import format_bytes
 from .._declare.strategy import Strategy
 from .._inspect.memory_report import MemoryReport, memory_report
+from .._jit.aot import refuse_ahead_of_time
 from .._jit.jit import FilterJit, filter_jit
 from .._plan.plan import Plan
 from .._targets.targets import Target, get_target
@@ -245,6 +246,7 @@ def max_batch(
     (2**20) still fits, or when a compile fails for a reason other than memory (the
     batch is named, the compiler's error chained).
     """
+    refuse_ahead_of_time(step, "ox.max_batch")
     resolved = get_target(target)
     budget = resolved.capacity if device_budget is None else device_budget
     if budget is None:
