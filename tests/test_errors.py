@@ -461,6 +461,46 @@ def _case_compare_memory_targets_by_label(model, opt_state):
     ox.compare_memory({}, target={"gpu": "h100"})
 
 
+# Issue 37, item 10: keys declared in host memory, abstract arguments to a real call, an
+# argument whose type names another memory than its sharding.
+
+
+class _Dropout(eqx.Module):
+    w: jax.Array = ox.field(memory="pinned_host")
+    key: jax.Array = ox.field(memory="pinned_host")
+
+
+def _dropout_step(model, x):
+    keep, key = jax.random.split(model.key)
+    kept = jnp.where(jax.random.bernoulli(keep, 0.5, x.shape), x, 0.0)
+    return jnp.sum(kept * jnp.sum(ox.fetch(model.w))), eqx.tree_at(lambda m: m.key, model, key)
+
+
+def _case_key_declared_in_host_memory(model, opt_state):
+    dropout = _Dropout(jnp.ones(3), jax.random.key(0))
+    ox.filter_jit(_dropout_step, donate="all")(dropout, jnp.ones(4))
+
+
+def _case_abstract_model_in_a_real_call(model, opt_state):
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model)
+    make_step(make_optimizer(), "annotated", donate="all")(abstract, opt_state, jnp.ones((3, 16)))
+
+
+def _case_abstract_batch_in_a_real_call(model, opt_state):
+    step = make_step(make_optimizer(), "annotated", donate="all")
+    copies = jax.tree.map(jnp.copy, (model, opt_state))
+    copies = step(*copies, jnp.ones((3, 16)))[:2]  # compiled and cached for arrays
+    step(*copies, jax.ShapeDtypeStruct((3, 16), jnp.float32))
+
+
+def _case_host_array_typed_as_device_memory(model, opt_state):
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    # A jit's `out_shardings` can put a device-typed result in host memory.
+    w = jax.jit(lambda w: w * 1, out_shardings=host)(jnp.ones(3))
+    step = ox.filter_jit(lambda m, x: jnp.sum(ox.fetch(m.layers.w1)) * x, donate="all")
+    step(eqx.tree_at(lambda m: m.layers.w1, model, w), jnp.ones(2))
+
+
 def optax_adam_factory():
     import optax
 
@@ -584,6 +624,32 @@ BAD_INPUTS = [
         TypeError,
         r"ox.filter_jit was given `step.lower\(...\)` of ox.filter_jit\(step\).*Pass the step "
         r"itself \(the `ox.filter_jit` object\): `ox.filter_jit\(f\)`, `f` the function lowered",
+    ),
+    (
+        _case_key_declared_in_host_memory,
+        ValueError,
+        r"`model.key` is a PRNG key array \(dtype key<fry>\) declared `memory='pinned_host'`, "
+        r"but JAX cannot keep a typed key in host memory.*Declare it `memory='device'`",
+    ),
+    *(
+        (
+            case,
+            TypeError,
+            rf"ox.filter_jit\(step\): {paths} `jax.ShapeDtypeStruct`.*a call "
+            r"runs the step on arrays. Pass arrays.*`step.lower\(\*args\)`, "
+            r"`ox.memory_report\(step, \*args\)`",
+        )
+        for case, paths in [
+            (_case_abstract_model_in_a_real_call, r"`model.layers.w1`, `model.layers.w2` are"),
+            (_case_abstract_batch_in_a_real_call, r"`x` is a"),
+        ]
+    ),  # fmt: skip
+    (
+        _case_host_array_typed_as_device_memory,
+        ValueError,
+        r"`m.layers.w1` is an array \(ArrayImpl\) in 'pinned_host' memory that JAX types as "
+        r"`float32\[3\]`, and the step was compiled for `float32<host>\[3\]`.*"
+        r"`ox.place\(tree, strategy\)`",
     ),
     (
         _case_compare_memory_targets_by_label,

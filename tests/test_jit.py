@@ -117,3 +117,30 @@ def test_unhashable_static_argument():
     step = ox.filter_jit(lambda x, table: x * table["a"])
     with pytest.raises(TypeError, match=r"non-array argument is not hashable"):
         step(jnp.ones(2), {"a": {1.0}})
+
+
+class DropoutModel(eqx.Module):
+    w: jax.Array = ox.field(memory="pinned_host")
+    key: jax.Array = ox.field(memory="device")
+
+
+def dropout_step(model, x):
+    keep, key = jax.random.split(model.key)
+    kept = jnp.where(jax.random.bernoulli(keep, 0.5, x.shape), x, 0.0)
+    return jnp.sum(kept * ox.fetch(model.w)), eqx.tree_at(lambda m: m.key, model, key)
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "annotated", "offload_params"])
+def test_a_typed_key_trains_on_the_device_under_every_strategy(strategy):
+    # JAX types no key as host memory: a strategy that moves parameters leaves it.
+    model = DropoutModel(jnp.ones(4), jax.random.key(0))
+    step = ox.filter_jit(dropout_step, strategy=strategy, donate="all")
+    host = "device" if strategy == "baseline" else "pinned_host"
+    assert ox.plan(model, strategy).memory_kinds() == [host, "device"]
+    keys = []
+    for _ in range(2):
+        loss, model = step(model, jnp.ones(4))
+        keys.append(jax.random.key_data(model.key))
+    assert model.key.sharding.memory_kind == "device"
+    assert model.w.sharding.memory_kind == host
+    assert not np.array_equal(keys[0], keys[1])

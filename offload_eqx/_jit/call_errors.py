@@ -4,8 +4,9 @@ indices.
 JAX refuses a call of a jitted function with its own words: a donated (deleted) buffer
 is "Invalid buffer passed to Execute() as argument 0 to replica 0", arrays on several
 devices are "argument dynamic[0] of make_flat.<locals>.flat". `ox.filter_jit` knows each
-argument's path, so when a call fails it looks at the arguments for these two causes,
-and says which leaves and what to do.
+argument's path, so when a call fails it looks at the arguments for these causes (and
+for `jax.ShapeDtypeStruct`s, which a call cannot run on, and an argument whose type
+names another memory than its sharding), and says which leaves and what to do.
 """
 
 from collections.abc import Sequence
@@ -14,8 +15,10 @@ from typing import Any
 import jax
 from jax.core import Tracer
 
-from .._plan.walk import format_path
+from .._plan.leaf import is_key
+from .._plan.walk import ARRAY_TYPES, format_path
 from .guard import device_offenders
+from .retrace import Misplaced
 
 _DONATED = (
     "{caller}: {paths} {was} donated to an earlier call (donate={donate!r}), which "
@@ -30,6 +33,25 @@ _DEVICES = (
     "on {majority}), and one program runs on one set of devices. Put {them} where the rest "
     "is once, before the call: `jax.device_put(x, {majority_device})` (or `ox.place(tree, "
     "mesh=mesh)` for a mesh)."
+)
+_ABSTRACT = (
+    "{caller}: {paths} {are} `jax.ShapeDtypeStruct`{s} (a shape and dtype, no data), and "
+    "a call runs the step on arrays. Pass arrays (`jnp.zeros(shape, dtype)`, or a model "
+    "made for real); for shapes only, ask without running: `step.lower(*args)`, "
+    "`ox.memory_report(step, *args)`, `ox.audit(step, *args)` or `ox.estimate(step, *args)`."
+)
+_MISTYPED = (
+    "{caller}: `{path}` is {what} in {memory!r} memory that JAX types as `{got}`, and the "
+    "step was compiled for `{expected}`; moving it where the plan puts it did not change "
+    "its type. {fix}"
+)
+_KEY_FIX = (
+    "A PRNG key's type carries no memory space, so a key lives on the device: put it there "
+    "(`jax.device_put(key, jax.memory.Space.Device)`)."
+)
+_ARRAY_FIX = (
+    "Pass it as an array whose type names its memory: placed by `ox.place(tree, strategy)`, "
+    "or `jax.device_put(x, jax.memory.Space.Host)` (`Space.Device` for the device)."
 )
 # JAX's words for a jitted call whose arguments are committed to different devices, and
 # for an argument whose buffer was deleted (donated, or `.delete()`d) before the call.
@@ -55,11 +77,49 @@ def _leaves(arguments: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     ]
 
 
+def abstract_problem(arguments: Sequence[tuple[str, Any]], caller: str) -> TypeError | None:
+    """The error for a call given `jax.ShapeDtypeStruct`s (None: it was given none)."""
+    paths = [p for p, leaf in _leaves(arguments) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if not paths:
+        return None
+    shown = ", ".join(f"`{p}`" for p in paths[:3])
+    if len(paths) > 3:
+        shown += f" and {len(paths) - 3} more leaves"
+    one = len(paths) == 1
+    are, s = ("is a", "") if one else ("are", "s")
+    return TypeError(_ABSTRACT.format(caller=caller, paths=shown, are=are, s=s))
+
+
+def _mistyped(error: Misplaced, arguments: Sequence[tuple[str, Any]], caller: str) -> ValueError:
+    """The error for an argument whose type names another memory than planned, still so
+    once moved (the program's argument `error.index` is the call's array leaf of that
+    index)."""
+    arrays = [(p, x) for p, x in _leaves(arguments) if isinstance(x, ARRAY_TYPES)]
+    path, leaf = arrays[error.index] if error.index < len(arrays) else ("?", None)
+    key = is_key(error.got.dtype)
+    return ValueError(
+        _MISTYPED.format(
+            caller=caller,
+            path=path,
+            what="a PRNG key array" if key else f"an array ({type(leaf).__name__})",
+            memory=getattr(getattr(leaf, "sharding", None), "memory_kind", None),
+            got=error.got.str_short(),
+            expected=error.expected.str_short(),
+            fix=_KEY_FIX if key else _ARRAY_FIX,
+        )
+    )
+
+
 def call_problem(
     error: BaseException, arguments: Sequence[tuple[str, Any]], caller: str, donate: str
 ) -> Exception | None:
     """An error naming the argument leaves that made a call fail, or None when the
-    arguments are not the cause."""
+    arguments are not the cause. A `Misplaced` always gets one."""
+    abstract = abstract_problem(arguments, caller)
+    if abstract is not None:
+        return abstract
+    if isinstance(error, Misplaced):
+        return _mistyped(error, arguments, caller)
     deleted = is_deleted_buffer(error) and [
         path
         for path, leaf in _leaves(arguments)

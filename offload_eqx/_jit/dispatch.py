@@ -20,7 +20,7 @@ from jax.core import Tracer
 
 from .._base.errors import ImplicitTransferError, UnhashableStaticError, is_placement_mismatch
 from .._plan.walk import ARRAY_TYPES
-from .call_errors import call_problem
+from .call_errors import abstract_problem, call_problem
 from .guard import explain, no_implicit_transfers
 from .interrupts import deliver_pending, hold, release
 from .retrace import Misplaced, NewArgumentTypes, types_of
@@ -64,7 +64,7 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
             with no_implicit_transfers(self.arguments(*args, **kwargs)):
                 return _dispatch(self, args, kwargs)
         return _dispatch(self, args, kwargs)
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, TypeError, Misplaced) as error:
         if isinstance(error, eqx.EquinoxRuntimeError):
             error.__traceback__ = None  # its message holds the stack inside the step
             raise
@@ -123,6 +123,8 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
     if type(entry) is dict:  # several types seen under this key
         entry = entry.get(types_of(dynamic))
     if entry is None:
+        if any(type(x) is jax.ShapeDtypeStruct for x in dynamic):  # before compiling
+            _refuse_abstract(self, args, kwargs)
         entry = self._compile_new(key, args, kwargs, dynamic)
         dynamic = entry.moved(dynamic)
     if not entry.donate_argnums:
@@ -140,6 +142,13 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
         if holding:
             release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
     return cache.last_outputs
+
+
+def _refuse_abstract(self: Any, args: tuple, kwargs: dict) -> None:
+    caller = f"ox.filter_jit({describe(_get(self, 'fn'))})"
+    problem = abstract_problem(self.arguments(*args, **kwargs), caller)
+    if problem is not None:
+        raise problem
 
 
 def _execute(self, entry, key, args, kwargs, dynamic) -> Any:

@@ -20,7 +20,16 @@ class NewArgumentTypes(Exception):
 class Misplaced(Exception):
     """A compiled entry's program is traced again for an argument in another memory than
     the plan's (a `pinned_host` array where the plan keeps the leaf on the device, and
-    jit was left to place it): `ox.filter_jit` moves it where the plan says."""
+    jit was left to place it): `ox.filter_jit` moves it where the plan says. Raised again
+    for the moved arguments, it is reported with the leaf's path (`call_errors`); its own
+    message names the argument's index and both types."""
+
+    def __init__(self, index: int, got: Any, expected: Any):
+        self.index, self.got, self.expected = index, got, expected
+        super().__init__(
+            f"argument {index} of the program is typed {got.str_short()}, and the program "
+            f"was compiled for {expected.str_short()}"
+        )
 
 
 def types_of(dynamic: Sequence[Any]) -> tuple:
@@ -43,6 +52,7 @@ def check_types(dynamic: Sequence[Any], in_avals: Sequence[Any]) -> None:
         got = jax.typeof(x)
         if (got.shape, got.dtype, got.weak_type) != (aval.shape, aval.dtype, aval.weak_type):
             raise NewArgumentTypes()
-    for x, aval in zip(dynamic, in_avals):
-        if is_host_aval(jax.typeof(x)) != is_host_aval(aval):
-            raise Misplaced()
+    for i, (x, aval) in enumerate(zip(dynamic, in_avals)):
+        got = jax.typeof(x)
+        if is_host_aval(got) != is_host_aval(aval):
+            raise Misplaced(i, got, aval)

@@ -73,16 +73,52 @@ def committed_device(leaves: Any) -> Any:
     return None
 
 
+_KEY_ON_HOST = (
+    "`{path}` is a PRNG key array (dtype {dtype}) declared `memory='pinned_host'`, but JAX "
+    "cannot keep a typed key in host memory: a key's type carries no memory space, so a "
+    "step cannot type it as host memory. Declare it "
+    "`memory='device'` (a key is a few bytes), or keep its raw bits in host memory "
+    "(`jax.random.key_data(key)`, a uint32 array) and `jax.random.wrap_key_data(...)` "
+    "them inside the step after `ox.fetch`."
+)
+
+
+def is_key(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (`jax.random.key(0).dtype`)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def effective_memory(
     placement: Placement | None,
     ndim: int,
     strategy: Strategy,
     path: str,
     mirrors: str | None = None,
+    dtype: Any = None,
 ) -> Memory | None:
     """Where a leaf of `ndim` dimensions at `path` lives under `strategy` (None: nothing
     manages it); `mirrors` is the path of the parameter an optimizer-state leaf mirrors,
-    which a strategy's leaf patterns match too (`Strategy.memory_of`)."""
+    which a strategy's leaf patterns match too (`Strategy.memory_of`).
+
+    A typed PRNG key (`dtype`) stays on the device whatever a strategy moves: JAX types
+    no key as host memory. Declared in host memory itself, it is an error (`ValueError`
+    naming its path): the declaration cannot be honoured."""
+    memory = _memory(placement, ndim, strategy, path, mirrors)
+    if memory != "pinned_host" or dtype is None or not is_key(dtype):
+        return memory
+    assert placement is not None  # a managed leaf
+    if placement.role != "optimizer" and placement.memory == "pinned_host":
+        raise ValueError(_KEY_ON_HOST.format(path=path, dtype=dtype))
+    return "device"
+
+
+def _memory(
+    placement: Placement | None,
+    ndim: int,
+    strategy: Strategy,
+    path: str,
+    mirrors: str | None,
+) -> Memory | None:
     if placement is None:
         return None
     if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
@@ -148,7 +184,7 @@ def mirror_states(
                 placement = placements.get(entry["path"])
                 ndim = len(entry["shape"])
                 entry["memory"] = effective_memory(
-                    placement, ndim, strategy, entry["path"], entry["mirrors"]
+                    placement, ndim, strategy, entry["path"], entry["mirrors"], entry["dtype"]
                 )
             like = shardings[mirror]
             if isinstance(like, NamedSharding) and on_mesh:

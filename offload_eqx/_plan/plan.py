@@ -91,13 +91,16 @@ class Plan:
                 indices.append(len(entries))
                 path = label + format_keys(keys)
                 placement = found.placements.get(path)
+                # As jit traces it: a NumPy float64 batch is float32 (no x64).
+                dtype = jax.dtypes.canonicalize_dtype(leaf.dtype, allow_extended_dtype=True)
                 entries.append(
                     dict(
                         path=path,
                         shape=tuple(np.shape(leaf)),
-                        # As jit traces it: a NumPy float64 batch is float32 (no x64).
-                        dtype=jax.dtypes.canonicalize_dtype(leaf.dtype, allow_extended_dtype=True),
-                        memory=effective_memory(placement, np.ndim(leaf), strategy, path),
+                        dtype=dtype,
+                        memory=effective_memory(
+                            placement, np.ndim(leaf), strategy, path, dtype=dtype
+                        ),
                         declared=None if placement is None else placement.memory,
                         role=None if placement is None else placement.role,
                         spec=None if placement is None else placement.spec,
