@@ -377,6 +377,14 @@ def _case_donated_model_reused(model, opt_state):
     step(*copies, jnp.ones((3, 16)))
 
 
+def _case_donated_model_reused_by_a_compiled_step(model, opt_state):
+    # Issue 37, item 11: the compiled step names the consumed leaves as the step does.
+    copies = jax.tree.map(jnp.copy, (model, opt_state))
+    compiled = _ahead_of_time(*copies)
+    compiled(*copies, jnp.ones((3, 16)))
+    compiled(*copies, jnp.ones((3, 16)))
+
+
 def _case_updates_of_another_model(model, opt_state):
     ox.apply_updates(model, scanned_model(jax.random.key(1), width=8, hidden=8))
 
@@ -526,6 +534,12 @@ BAD_INPUTS = [
     (_case_not_callable, TypeError, r"not callable.*Pass the function"),
     (
         _case_donated_model_reused,
+        ValueError,
+        r"ox.filter_jit\(step\): `model.layers.w1`, .* donated to an earlier call "
+        r"\(donate='all'\).*Pass the step's outputs, not the donated inputs",
+    ),
+    (
+        _case_donated_model_reused_by_a_compiled_step,
         ValueError,
         r"ox.filter_jit\(step\): `model.layers.w1`, .* donated to an earlier call "
         r"\(donate='all'\).*Pass the step's outputs, not the donated inputs",

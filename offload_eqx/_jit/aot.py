@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from .call_errors import donated_problem
+
 _OTHER_CALL = (
     "{caller}: this compiled step was lowered for other arguments: {detail}. Lower and "
     "compile it for these arguments (`step.lower(*args).compile()`), or call the step "
@@ -45,13 +47,17 @@ def refuse_ahead_of_time(fn: Any, where: str, usage: str = "") -> None:
 
 
 class Compiled:
-    """What `Lowered.compile()` returns: the compiled program, called like the step."""
+    """What `Lowered.compile()` returns: the compiled program, called like the step.
 
-    def __init__(self, compiled: jax.stages.Compiled, entry: Any, split: Callable, caller: str):
+    Like the step, it refuses arguments a donating call consumed (deleted), naming
+    them, before the program runs (XLA would say "Invalid buffer passed to Execute()")."""
+
+    def __init__(self, compiled: jax.stages.Compiled, lowered: "Lowered"):
         self.compiled = compiled
-        self._entry = entry
-        self._split = split  # (args, kwargs) -> (key, types, array leaves)
-        self._caller = caller
+        self._entry = lowered._entry
+        self._split = lowered._split  # (args, kwargs) -> (key, types, array leaves)
+        self._caller = lowered._caller
+        self._step = lowered._step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, types, dynamic = self._split(args, kwargs)
@@ -67,6 +73,11 @@ class Compiled:
             ]
             detail = "; ".join(changed[:3])
             raise TypeError(_OTHER_CALL.format(caller=self._caller, detail=detail))
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in dynamic):
+            arguments = self._step.arguments(*args, **kwargs)
+            problem = donated_problem(arguments, self._caller, self._step.donate)
+            if problem is not None:
+                raise problem
         return self._entry.rebuild(self.compiled(*self._entry.moved(dynamic)))
 
     def as_text(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,15 +91,17 @@ class Lowered:
     """What `step.lower(*args)` returns: the lowered program; `.compile()` compiles it
     into a `Compiled` called like the step."""
 
-    def __init__(self, lowered: jax.stages.Lowered, entry: Any, split: Callable, caller: str):
+    def __init__(
+        self, lowered: jax.stages.Lowered, entry: Any, split: Callable, caller: str, step: Any
+    ):
         self.lowered = lowered
         self._entry = entry
         self._split = split
         self._caller = caller
+        self._step = step  # the `ox.filter_jit` step: its argument labels and donation
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
-        compiled = self.lowered.compile(compiler_options=compiler_options)
-        return Compiled(compiled, self._entry, self._split, self._caller)
+        return Compiled(self.lowered.compile(compiler_options=compiler_options), self)
 
     def as_text(self, *args: Any, **kwargs: Any) -> Any:
         return self.lowered.as_text(*args, **kwargs)

@@ -110,6 +110,34 @@ def _mistyped(error: Misplaced, arguments: Sequence[tuple[str, Any]], caller: st
     )
 
 
+def donated_problem(
+    arguments: Sequence[tuple[str, Any]], caller: str, donate: str
+) -> ValueError | None:
+    """The error for a call given arrays whose buffers were donated (deleted) before it,
+    naming them (None: every argument is alive)."""
+    deleted = [
+        path
+        for path, leaf in _leaves(arguments)
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted()
+    ]
+    if not deleted:
+        return None
+    shown = ", ".join(f"`{p}`" for p in deleted[:3])
+    if len(deleted) > 3:
+        shown += f" and {len(deleted) - 3} more leaves"
+    one = len(deleted) == 1
+    return ValueError(
+        _DONATED.format(
+            caller=caller,
+            paths=shown,
+            was="was" if one else "were",
+            its="its" if one else "their",
+            s="" if one else "s",
+            donate=donate,
+        )
+    )
+
+
 def call_problem(
     error: BaseException, arguments: Sequence[tuple[str, Any]], caller: str, donate: str
 ) -> Exception | None:
@@ -120,26 +148,9 @@ def call_problem(
         return abstract
     if isinstance(error, Misplaced):
         return _mistyped(error, arguments, caller)
-    deleted = is_deleted_buffer(error) and [
-        path
-        for path, leaf in _leaves(arguments)
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted()
-    ]
+    deleted = is_deleted_buffer(error) and donated_problem(arguments, caller, donate)
     if deleted:
-        shown = ", ".join(f"`{p}`" for p in deleted[:3])
-        if len(deleted) > 3:
-            shown += f" and {len(deleted) - 3} more leaves"
-        one = len(deleted) == 1
-        return ValueError(
-            _DONATED.format(
-                caller=caller,
-                paths=shown,
-                was="was" if one else "were",
-                its="its" if one else "their",
-                s="" if one else "s",
-                donate=donate,
-            )
-        )
+        return deleted
     if is_incompatible_devices(error):
         offenders, majority = device_offenders(arguments)
         if offenders and majority is not None:

@@ -299,7 +299,7 @@ class FilterJit(eqx.Module):
             key, dynamic, _ = split(self, args, kwargs)
             return key, types_of(dynamic), dynamic
 
-        return Lowered(self.trace(*args, **kwargs).lower(), entry, split_call, caller)
+        return Lowered(self.trace(*args, **kwargs).lower(), entry, split_call, caller, self)
 
 
 def _inside_jit() -> bool:
