@@ -144,3 +144,28 @@ def test_a_typed_key_trains_on_the_device_under_every_strategy(strategy):
     assert model.key.sharding.memory_kind == "device"
     assert model.w.sharding.memory_kind == host
     assert not np.array_equal(keys[0], keys[1])
+
+
+def test_a_called_step_deepcopies_and_pickles_and_the_copy_runs():
+    # Issue 37, item 9: a copy shares the function's compiled programs (they hold devices,
+    # which cannot be copied); a pickled step compiles again.
+    import copy
+    import pickle
+
+    model = ox.place(scanned_model(jax.random.key(0)))
+    opt = make_optimizer()
+    state = opt.init(model)
+    step = make_step(opt, "annotated")
+    x = jnp.ones((4, 16))
+    expected = float(step(model, state, x)[2])
+    copied = copy.deepcopy(step)
+    assert float(copied(model, state, x)[2]) == expected
+    assert copied.compilations == step.compilations == 1
+    squares = ox.filter_jit(sum_of_squares)
+    squares(jnp.ones(4))
+    again = pickle.loads(pickle.dumps(squares))
+    assert float(again(jnp.ones(4))) == 4.0
+
+
+def sum_of_squares(x):
+    return jnp.sum(x**2)

@@ -243,3 +243,22 @@ def test_update_and_apply_works_for_any_transformation(make, strategy):
 def test_update_and_apply_refuses_a_factory():
     with pytest.raises(TypeError, match=r"update_and_apply's `opt` is <function adam.*Call it"):
         ox.update_and_apply(optax.adam, {}, (), {})  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("mode", [{}, {"update_on": "host"}, {"stream": "leaf"}, {"delay": 1}])
+def test_model_and_state_survive_deepcopy_and_pickle(mode):
+    # Issue 37, item 9: `ox.activations` is a static field of the model, and of every
+    # state that mirrors the model's structure.
+    import copy
+    import pickle
+
+    model = ox.place(scanned_model(jax.random.key(0)))
+    opt = ox.offload_optimizer(optax.adam(1e-2), **mode)
+    state = opt.init(model)
+    for copied in (copy.deepcopy, lambda tree: pickle.loads(pickle.dumps(tree))):
+        for tree in (model, state):
+            again = copied(tree)
+            assert jax.tree.structure(again) == jax.tree.structure(tree)
+            for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(tree)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert copy.deepcopy(model.activations) == model.activations

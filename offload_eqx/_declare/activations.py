@@ -116,6 +116,22 @@ class Activations:
         inner = ", ".join(f"{name}={policy!r}" for name, policy in self._items)
         return f"Activations({inner})"
 
+    # Copied and pickled by value through its constructor: the default protocol would
+    # set `_items` on a bare instance, which `__setattr__` refuses. Being immutable, a
+    # copy may be the object itself.
+    def __reduce__(self):
+        return (_from_items, (self._items,))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _from_items(items: tuple) -> Activations:
+    return Activations(**dict(items))
+
 
 def activations(**policies: str) -> Any:
     """Declare a module's activation policies as a static field:

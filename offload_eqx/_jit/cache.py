@@ -25,7 +25,11 @@ except ImportError:  # pragma: no cover - the pinned equinox has it
 
 
 class Cache:
-    """The compilations of one function under one set of options."""
+    """The compilations of one function under one set of options.
+
+    A copy of a wrapper (`copy.deepcopy(step)`) shares its cache, as it shares the
+    function's: compiled programs hold devices, which cannot be copied. A pickled wrapper
+    comes back with an empty cache (programs are not pickled) and compiles again."""
 
     def __init__(self):
         # key -> its entry, or, once several types were seen, {types: entry}
@@ -34,6 +38,19 @@ class Cache:
         self.last_outputs: Any = None
         # The keys each wrapper (by id) compiled, for `audit=True`'s changed-static check.
         self.compiled_by: dict[int, list] = {}
+
+    def __copy__(self) -> "Cache":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Cache":
+        return self
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        _ALL.add(self)  # emptied by `clear_caches` like every other
 
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
