@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import equinox as eqx
@@ -408,3 +409,213 @@ def test_a_file_that_is_not_an_equinox_file_says_so(tmp_path, kind):
     with pytest.raises(ValueError, match=r"is not an `eqx.tree_serialise_leaves` file") as raised:
         ox.tree_deserialise_leaves(path, {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
     assert ("np.load" in str(raised.value)) == (kind == "npz")
+
+
+# -- a checkpoint is complete or absent (issue 37) ------------------------------------------
+
+
+def _race(path, trees):
+    """Save each tree to `path` from its own thread, all released at once: what each
+    save returned (None) or raised."""
+    outcomes: list[Exception | None] = [None] * len(trees)
+    start = threading.Barrier(len(trees))
+
+    def save(i):
+        start.wait()
+        try:
+            ox.save_checkpoint(path, trees[i])
+        except Exception as error:  # the outcome is what is tested
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(len(trees))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_racing_saves_leave_the_winners_checkpoint_whole_and_name_the_path_to_the_loser(
+    tmp_path,
+):
+    """Two saves for one path shared Orbax's temporary directory: the one that returned
+    normally could leave a checkpoint mixed of both (caught only by the checksum), or
+    none, and the loser's error named no path. Each save now writes privately and
+    renames: the first to finish wins, whole; the other raises naming the path."""
+    trees = [{f"w{j}": jnp.full(600, i + 1.0) for j in range(6)} for i in range(2)]
+    for trial in range(4):
+        path = tmp_path / f"step_{trial}"
+        outcomes = _race(path, trees)
+        winners = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        assert len(winners) == 1, outcomes
+        (loser,) = [outcome for outcome in outcomes if outcome is not None]
+        assert isinstance(loser, FileExistsError)
+        assert f"`{os.path.realpath(path)}`" in str(loser)
+        restored = ox.restore_checkpoint(path, jax.eval_shape(lambda: trees[0]))
+        for name, leaf in restored.items():
+            np.testing.assert_array_equal(leaf, trees[winners[0]][name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step_{i}" for i in range(4)]
+
+
+def test_saving_over_an_existing_path_is_refused_before_anything_is_written(tmp_path):
+    ox.save_checkpoint(tmp_path / "step_1", _tiny())
+    (tmp_path / "empty").mkdir()
+    for taken in ("step_1", "empty"):
+        with pytest.raises(FileExistsError, match=rf"`.*{taken}` exists already \(a directory\)"):
+            ox.save_checkpoint(tmp_path / taken, _tiny())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "step_1"]
+
+
+def test_a_save_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A save that failed after Orbax had finished left a checkpoint listed as complete."""
+    import offload_eqx._arrays.checkpoints as checkpoints
+
+    def full_disk(path, arrays):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "write_checksums", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ox.save_checkpoint(tmp_path / "run" / "step_1", _tiny())
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+class _Model(eqx.Module):
+    key: jax.Array
+    w: jax.Array = ox.field(memory="pinned_host")
+    empty: jax.Array = ox.field(memory="pinned_host")
+
+
+def _with_kinds():
+    return _Model(jax.random.key(7), jnp.arange(6.0).reshape(2, 3), jnp.zeros((0, 3)))
+
+
+def test_an_abstract_tree_is_refused_naming_the_leaf_before_anything_is_written(tmp_path):
+    """`eqx.filter_eval_shape`'s output saved as a checkpoint with no arrays at all."""
+    with pytest.raises(
+        ValueError,
+        match=r"`tree.key` is ShapeDtypeStruct\(shape=\(\), dtype=key<fry>\), .*no values",
+    ):
+        ox.save_checkpoint(tmp_path / "ckpt", eqx.filter_eval_shape(_with_kinds))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("like", ["arrays", "eval_shape"])
+def test_typed_keys_and_empty_arrays_round_trip_into_planned_memory(tmp_path, like):
+    """A typed key raised after the checkpoint was written (and listed as complete); an
+    array without elements was Orbax's "Cannot save arrays with zero size", leaving its
+    temporary directory behind."""
+    model = ox.place(_with_kinds(), "hybrid")
+    ox.save_checkpoint(tmp_path / "ckpt", model)
+    target = model if like == "arrays" else eqx.filter_eval_shape(_with_kinds)
+    restored = ox.restore_checkpoint(tmp_path / "ckpt", target, "hybrid")
+    assert restored.key.dtype == model.key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(restored.key), jax.random.key_data(model.key))
+    assert restored.empty.shape == (0, 3) and restored.empty.dtype == jnp.float32
+    np.testing.assert_array_equal(restored.w, model.w)
+    _placed_as_planned(restored, model, "hybrid")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_key_of_another_implementation_is_the_first_leaf_that_differs(tmp_path):
+    ox.save_checkpoint(tmp_path / "ckpt", {"key": jax.random.key(0, impl="rbg")})
+    like = {"key": jax.random.key(0, impl="unsafe_rbg")}
+    with pytest.raises(
+        ValueError, match=r"`like\['key'\]` is key<rbg>\[\] in the checkpoint but key<urbg>"
+    ):
+        ox.restore_checkpoint(tmp_path / "ckpt", like)
+
+
+def test_other_leaf_kinds_round_trip(tmp_path):
+    """NumPy arrays, NumPy and Python scalars, None and bfloat16. A float64 NumPy array
+    (x64 off) came back as float32 and failed its own checksum: it stays NumPy."""
+    tree = {
+        "float64": np.arange(3.0),
+        "int64": np.arange(3),
+        "float32": np.ones(2, np.float32),
+        "numpy_scalar": np.float32(2.0),
+        "python": 1.5,
+        "none": None,
+        "bfloat16": jnp.ones(3, jnp.bfloat16),
+    }
+    ox.save_checkpoint(tmp_path / "ckpt", tree)
+    restored = ox.restore_checkpoint(tmp_path / "ckpt", tree)
+    for name in ("float64", "int64"):
+        assert isinstance(restored[name], np.ndarray) and restored[name].dtype == tree[name].dtype
+    assert restored["python"] == 1.5 and restored["none"] is None
+    assert restored["bfloat16"].dtype == jnp.bfloat16
+    for name in ("float64", "int64", "float32", "numpy_scalar", "bfloat16"):
+        np.testing.assert_array_equal(restored[name], tree[name])
+
+
+@pytest.mark.parametrize(
+    "tree, words",
+    [
+        ({"names": np.array(["a", "b"])}, r"`tree\['names'\]` is a NumPy array of <U1 elements"),
+        ({"objects": np.array([1, "a"], object)}, r"`tree\['objects'\]` .* of object elements"),
+        ({}, r"`tree` is \{\}, which holds no leaves"),
+        (None, r"`tree` is None, which holds no leaves"),
+    ],
+    ids=["strings", "objects", "empty", "none"],
+)
+def test_what_cannot_be_stored_is_refused_naming_the_leaf_before_anything_is_written(
+    tmp_path, tree, words
+):
+    """A string array failed inside Orbax and left its temporary directory behind."""
+    with pytest.raises(ValueError, match=words):
+        ox.save_checkpoint(tmp_path / "ckpt", tree)
+    assert list(tmp_path.iterdir()) == []
+
+
+class _SingleDeviceShardings:
+    """A checkpointer handing Orbax single-device shardings, as `ox.plan(...)`'s leaves
+    carry them: Orbax then types `pinned_host` arrays as device memory."""
+
+    def __init__(self):
+        import orbax.checkpoint as ocp
+
+        self.inner = ocp.StandardCheckpointer()
+
+    def metadata(self, path):
+        return self.inner.metadata(path)
+
+    def restore(self, path, target):
+        def single(leaf):
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                return leaf
+            (device,) = leaf.sharding.device_set
+            memory = leaf.sharding.memory_kind
+            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+        return self.inner.restore(path, jax.tree.map(single, target))
+
+
+def test_restored_arrays_in_host_memory_are_typed_host_and_train(tmp_path):
+    """Orbax's arrays reported `pinned_host` in their sharding but were typed as device
+    memory; the step then failed with an empty `Misplaced`."""
+    model, opt_state = _state()
+    ox.save_checkpoint(tmp_path / "ckpt", (model, opt_state))
+    checkpointer = _SingleDeviceShardings()
+    restored = ox.restore_checkpoint(
+        tmp_path / "ckpt", _like(), "hybrid", checkpointer=checkpointer
+    )
+    checkpointer.inner.close()
+    for leaf in jax.tree.leaves(eqx.filter(restored, eqx.is_array)):
+        host = leaf.sharding.memory_kind == "pinned_host"
+        assert (jax.typeof(leaf).memory_space == jax.memory.Space.Host) == host, leaf.sharding
+    assert "pinned_host" in {leaf.sharding.memory_kind for leaf in jax.tree.leaves(restored)}
+    opt = _optimizer()
+
+    @ox.filter_jit(strategy="hybrid")
+    def step(model, opt_state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    trained, _ = step(*restored, jnp.ones((8, 16)))
+    assert not np.array_equal(trained.layers.w1, model.layers.w1)
+
+
+def test_a_save_inside_a_jitted_function_is_refused_naming_the_leaf(tmp_path):
+    with pytest.raises(ValueError, match=r"`tree\['x'\]` is a traced value \(float32\[2\]\)"):
+        jax.jit(lambda x: ox.save_checkpoint(tmp_path / "ckpt", {"x": x}))(jnp.ones(2))
+    assert list(tmp_path.iterdir()) == []

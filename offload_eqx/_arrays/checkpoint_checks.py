@@ -1,9 +1,11 @@
 """What a checkpoint holds, checked: complete, undamaged, the leaves `like` expects.
 
-Orbax writes a checkpoint into a temporary directory renamed once complete, and keeps no
-checksum. Here: whether a path is a complete checkpoint (else which ones beside it are),
-the checksums `ox.save_checkpoint` writes beside Orbax's files and `ox.restore_checkpoint`
-verifies, and the messages that name the first leaf a stored tree and `like` disagree on.
+A save writes its checkpoint into a private temporary directory, renamed into place once
+complete (`checkpoint_writes`), and Orbax keeps no checksum. Here: what can be saved
+(checked before anything is written), whether a path is a complete checkpoint (else which
+ones beside it are), the record `ox.save_checkpoint` writes beside Orbax's files (each
+array's shape, dtype and checksum) and `ox.restore_checkpoint` verifies, and the messages
+that name the first leaf a stored tree and `like` disagree on.
 """
 
 import json
@@ -14,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from .._plan.walk import format_path
 
@@ -31,17 +34,19 @@ EXTRA_LEAVES = (
     "{caller}: the checkpoint holds {what} that `like` has no place for: it was written "
     "from a larger tree. Pass as `like` the tree the checkpoint was saved from."
 )
-# An Orbax checkpoint: its save writes into `<name>.orbax-checkpoint-tmp-<time>`, renamed
-# to `<name>` once complete; `_METADATA` (each leaf's shape and dtype) follows the arrays.
-_UNFINISHED = ".orbax-checkpoint-tmp"
+# An Orbax checkpoint: Orbax's own save writes into `<name>.orbax-checkpoint-tmp-<time>`,
+# `ox.save_checkpoint` into `<name>.offload_eqx-tmp-<random>/<name>`; each is renamed to
+# `<name>` once complete. `_METADATA` (each leaf's shape and dtype) follows the arrays.
+PRIVATE = ".offload_eqx-tmp-"
+_UNFINISHED = (".orbax-checkpoint-tmp", PRIVATE)
 _TREE_METADATA = "_METADATA"
 READ_FAILED = "Encountered error while reading array index"  # Orbax's words
 CHECKSUMS = "offload_eqx_checksums.json"
 _NOT_THERE = "{caller}: `{path}` does not exist{why}. {complete}"
 _INTERRUPTED = (
-    "; only `{unfinished}` does, which Orbax leaves when a save is interrupted (the "
-    "process was killed, or the save failed) before the checkpoint is complete: it cannot "
-    "be restored (delete it when no save is running)"
+    "; only `{unfinished}` does, the temporary directory a save leaves when it is "
+    "interrupted (the process was killed) before the checkpoint is complete: it cannot be "
+    "restored (delete it when no save is running)"
 )
 _INCOMPLETE = "{caller}: `{path}` is not a complete Orbax checkpoint: {reason}. {complete}"
 _NO_TREE_METADATA = (
@@ -70,12 +75,102 @@ _CHECKSUMS_DAMAGED = (
     "{caller}: `{file}` in `{path}` cannot be read ({cause}): the checkpoint is damaged. "
     "Pass `verify=False` to restore it without checking its arrays."
 )
+_ABSTRACT_LEAF = (
+    "{caller}: `{path}` is {value}, an abstract array with a shape and a dtype but no "
+    "values (what `eqx.filter_eval_shape` and `jax.eval_shape` give): there is nothing to "
+    "save, and nothing was written. Save the arrays themselves: build the state "
+    "(`Model(key)`, `opt.init(model)`) or restore it, then save it."
+)
+_TRACED_LEAF = (
+    "{caller}: `{path}` is a traced value ({value}): the save was called inside a "
+    "transformed function (`jax.jit`, `ox.filter_jit`, `jax.grad`, ...), where arrays have "
+    "no values yet, and nothing was written. Save outside it: the step's outputs, once it "
+    "has returned."
+)
+_NOT_NUMBERS = (
+    "{caller}: `{path}` is a NumPy array of {dtype} elements, and nothing was written: a "
+    "checkpoint holds arrays of numbers, booleans and `jax.random.key`s (TensorStore "
+    "stores no {dtype}). Keep it out of the saved tree (mark its field "
+    "`eqx.field(static=True)`, or save `eqx.filter(tree, eqx.is_array)` with this leaf "
+    "replaced by None), or convert it to numbers."
+)
+_LOCAL_ONLY = (
+    "{caller}: `{path}` lives on this process's devices only ({sharding}), and nothing "
+    "was written: in a run of several processes a checkpoint is written from all of "
+    "them, and holds arrays over the mesh they share. Put it on the mesh first "
+    "(`ox.place(tree, mesh=mesh)`, or `ox.shard(x, P(), mesh)` to replicate it)."
+)
+_NO_LEAVES = (
+    "{caller}: `tree` is {tree!r}, which holds no leaves at all: there is nothing to save "
+    "(Orbax refuses an empty tree), and nothing was written. Pass the state to save."
+)
+_EXISTS = (
+    "{caller}: `{path}` exists already ({what}), and nothing was written: a checkpoint "
+    "is written whole into a new directory, never over or into another. Save to a new "
+    "path (e.g. `step_<n>` for each step), or delete `{path}` first."
+)
 _COMPLETE = "Complete checkpoints in `{parent}`: {names}; pass the path of one, e.g. `{example}`."
 _NONE_COMPLETE = "Complete checkpoints in `{parent}`: none."
 
 
+def is_key(dtype: Any) -> bool:
+    """Whether `dtype` is a typed key's (`jax.random.key`), stored as its key data."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def has_elements(leaf: Any) -> bool:
+    """Whether an array holds any element: Orbax refuses to save one that does not."""
+    return int(np.prod(np.shape(leaf), dtype=np.int64)) > 0
+
+
+def _storable(dtype: Any) -> bool:
+    """Whether TensorStore stores arrays of `dtype`: numbers, booleans, the ml_dtypes
+    types (bfloat16, int4, float8) and keys (their key data)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return is_key(dtype)
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
+
+
+def check_savable(caller: str, tree: Any) -> None:
+    """Every leaf of `tree` that Orbax would be given has values it can store; else a
+    `ValueError` naming the first that has not, before anything is written (Orbax saved
+    an abstract tree as no arrays at all, and failed on a string array half-way)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    if tree is None or not leaves:
+        raise ValueError(_NO_LEAVES.format(caller=caller, tree=tree))
+    for keys, leaf in leaves:
+        path = format_path("tree", keys)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(_ABSTRACT_LEAF.format(caller=caller, path=path, value=leaf))
+        if isinstance(leaf, Tracer):
+            value = jax.typeof(leaf).str_short()
+            raise ValueError(_TRACED_LEAF.format(caller=caller, path=path, value=value))
+        if isinstance(leaf, (np.ndarray, np.generic)) and not _storable(leaf.dtype):
+            raise ValueError(_NOT_NUMBERS.format(caller=caller, path=path, dtype=leaf.dtype))
+        if isinstance(leaf, jax.Array) and _local_only(leaf):
+            raise ValueError(_LOCAL_ONLY.format(caller=caller, path=path, sharding=leaf.sharding))
+
+
+def _local_only(leaf: jax.Array) -> bool:
+    """Whether, in a run of several processes, an array lives on this process's devices
+    only: Orbax writes one checkpoint from all processes and refuses it half-way."""
+    return jax.process_count() > 1 and has_elements(leaf) and leaf.is_fully_addressable
+
+
+def check_absent(caller: str, path: str) -> None:
+    """Nothing is at `path` yet: a save never writes over or into another directory."""
+    if os.path.lexists(path):
+        what = "a directory" if os.path.isdir(path) else "a file"
+        raise FileExistsError(_EXISTS.format(caller=caller, path=path, what=what))
+
+
 def describe(shape: Any, dtype: Any) -> str:
-    if np.dtype(dtype).type is np.void:  # what NumPy reads back for bfloat16 and its kin
+    try:
+        nameless = np.dtype(dtype).type is np.void
+    except TypeError:  # a key's dtype (`key<fry>`), which NumPy does not know
+        nameless = False
+    if nameless:  # what NumPy reads back for bfloat16 and its kin
         return (
             f"{dtype}{list(shape)} ({np.dtype(dtype).itemsize} nameless bytes an element, as "
             "NumPy stores bfloat16 and the other ml_dtypes types)"
@@ -103,10 +198,15 @@ def _listed(directory: str) -> list[str]:
         return []
 
 
+def _temporary(name: str) -> bool:
+    """Whether `name` is the temporary directory of a save (Orbax's or ours)."""
+    return any(marker in name for marker in _UNFINISHED)
+
+
 def _is_complete(directory: str) -> bool:
-    """Whether Orbax finished a checkpoint here: renamed from its temporary name, with the
-    tree's metadata written (after the arrays)."""
-    return _UNFINISHED not in os.path.basename(directory) and os.path.isfile(
+    """Whether a save finished a checkpoint here: renamed from its temporary name, with
+    the tree's metadata written (after the arrays)."""
+    return not _temporary(os.path.basename(directory)) and os.path.isfile(
         os.path.join(directory, _TREE_METADATA)
     )
 
@@ -136,12 +236,16 @@ def check_complete(caller: str, path: str) -> None:
     and fails later with `'NoneType' object has no attribute 'tree'`)."""
     if not os.path.exists(path):
         parent, name = os.path.split(path)
-        unfinished = [other for other in _listed(parent) if other.startswith(name + _UNFINISHED)]
+        unfinished = [
+            other
+            for other in _listed(parent)
+            if any(other.startswith(name + marker) for marker in _UNFINISHED)
+        ]
         why = _INTERRUPTED.format(unfinished=unfinished[-1]) if unfinished else ""
         raise FileNotFoundError(
             _NOT_THERE.format(caller=caller, path=path, why=why, complete=complete_beside(path))
         )
-    if _UNFINISHED in os.path.basename(path):
+    if _temporary(os.path.basename(path)):
         reason = "it is the temporary directory of a save that was interrupted"
     elif not os.path.isdir(path):
         reason = "it is a file, not a checkpoint's directory"
@@ -164,24 +268,36 @@ def _crc32(value: np.ndarray) -> int:
 
 def _hashable(leaf: Any) -> bool:
     """Whether this process holds all of the array (not so for one spread over the
-    devices of several processes)."""
+    devices of several processes); an array without elements has nothing to hold."""
+    if not has_elements(leaf):
+        return True
     return not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
+
+
+def _checksum(leaf: Any) -> int:
+    """The CRC32 of an array's bytes (a key array's key data); read into host memory
+    (a copy there: nothing moves to the device), one array at a time."""
+    if not has_elements(leaf):
+        return 0  # what `zlib.crc32(b"")` gives, without reading anything
+    if is_key(leaf.dtype):
+        leaf = jax.random.key_data(leaf)
+    return _crc32(np.asarray(leaf))
 
 
 def write_checksums(path: str, arrays: Any) -> None:
     """Beside Orbax's files, once it has finished: each array's shape, dtype and CRC32
-    of its bytes (C order), by leaf path. Written to a temporary name and renamed, so a
+    of its bytes (C order), by leaf path; an array without elements, which Orbax does
+    not store, is recorded here only. Written to a temporary name and renamed, so a
     checksum file is whole or absent."""
     leaves = {}
     for keys, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
         if not _hashable(leaf):
             continue
-        value = np.asarray(leaf)  # a copy in host memory; nothing moves to the device
         leaves[jax.tree_util.keystr(keys)] = {
             "keys": [key_of(k) for k in keys],
-            "shape": list(value.shape),
-            "dtype": str(value.dtype),
-            "crc32": _crc32(value),
+            "shape": list(np.shape(leaf)),
+            "dtype": str(leaf.dtype),
+            "crc32": _checksum(leaf),
         }
     document = {"format": 1, "checksum": "crc32 of the array's bytes in C order", "leaves": leaves}
     written = os.path.join(path, CHECKSUMS + ".tmp")
@@ -215,16 +331,15 @@ def verify_checksums(caller: str, path: str, restored: Any, checksums: dict) -> 
         saved = checksums.get(tuple(key_of(k) for k in keys))
         if saved is None or not _hashable(leaf):
             continue
-        value = np.asarray(leaf)  # host memory stays in host memory
-        crc32 = _crc32(value)
-        got = (list(value.shape), str(value.dtype), crc32)
+        crc32 = _checksum(leaf)  # host memory stays in host memory
+        got = (list(np.shape(leaf)), str(leaf.dtype), crc32)
         if got != (saved["shape"], saved["dtype"], saved["crc32"]):
             raise ValueError(
                 _CHECKSUM_DIFFERS.format(
                     caller=caller,
                     leaf=format_path("like", keys),
                     path=path,
-                    got=f"{describe(value.shape, value.dtype)} with CRC32 {crc32:#010x}",
+                    got=f"{describe(np.shape(leaf), leaf.dtype)} with CRC32 {crc32:#010x}",
                     file=CHECKSUMS,
                     saved=f"{saved['dtype']}{saved['shape']} with CRC32 {saved['crc32']:#010x}",
                 )

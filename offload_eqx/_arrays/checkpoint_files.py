@@ -20,6 +20,7 @@ from .._plan.plan import Plan
 from .._plan.walk import format_path, is_array_leaf
 from .._sharding.mesh import AnyMesh, put, typed
 from .checkpoint_checks import DIFFERENT_LEAF, EXTRA_LEAVES, MISSING_LEAF, describe
+from .place import match_type
 
 _NOT_EQUINOX = (
     "{caller}: where `{path}` should start, the file holds {what}, not a NumPy array: it "
@@ -92,7 +93,7 @@ def _loaded_array(file: Any, path: str, like: Any, sharding: Any, caller: str) -
         )
     if isinstance(like, np.ndarray):
         return value  # a NumPy leaf stays NumPy, as `eqx.tree_deserialise_leaves` keeps it
-    return put(value, typed(sharding))
+    return match_type(put(value, typed(sharding)))
 
 
 def tree_deserialise_leaves(

@@ -48,6 +48,19 @@ def _retyped(moved: jax.Array, sharding: Any) -> jax.Array:
     return jax.device_put(moved, space)
 
 
+def match_type(x: Any) -> Any:
+    """`x` typed by the memory kind of its sharding, without copying. An array that
+    Orbax builds with a single-device sharding in `pinned_host` is typed as device
+    memory, and a step traced for it would compile it as device memory."""
+    if not isinstance(x, jax.Array) or isinstance(x, Tracer) or type_matches(x):
+        return x
+    sharding = typed(x.sharding)
+    if not isinstance(sharding, NamedSharding):  # no way to retype it in place
+        return _retyped(x, x.sharding)
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
 def place(
     tree: Any,
     strategy: "str | Strategy | None" = None,
@@ -108,7 +121,9 @@ def abstract(
 
     ```python
     target = ox.abstract((model, opt_state), "hybrid")
-    model, opt_state = ocp.StandardCheckpointer().restore(path, eqx.filter(target, eqx.is_array))
+    arrays = eqx.filter(target, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    restored = ocp.StandardCheckpointer().restore(path, arrays)
+    model, opt_state = eqx.combine(restored, target)  # the non-array leaves from `target`
     ```
     """
     shardings = Plan([("tree", tree)], strategy, mesh).tree_shardings(0)

@@ -1,0 +1,115 @@
+"""Where a save writes: a private temporary directory, renamed into place once complete.
+
+Orbax writes every save for `<name>` into the one temporary directory
+`<name>.orbax-checkpoint-tmp`: two saves for one path wrote into it together and left a
+checkpoint mixed of both, or nothing. Each `ox.save_checkpoint` writes into a directory of
+its own beside the checkpoint (`<name>.offload_eqx-tmp-<random>`, made by
+`tempfile.mkdtemp`, on the same file system), then renames the finished checkpoint to
+`<name>` in one step: a checkpoint is complete or absent. Of two saves racing for one path
+the first to finish wins; the other finds `<name>` taken, discards its own and raises. A
+save that fails for any reason removes its directory.
+"""
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from .checkpoint_checks import PRIVATE
+
+_LOST_RACE = (
+    "{caller}: `{path}` appeared while this save was writing: another save given the "
+    "same path finished first. Its checkpoint is kept as it is; this save's arrays were "
+    "discarded, and nothing of it is left. Give each save its own path (`step_<n>`), or "
+    "save from one thread or process only."
+)
+_UNDER_A_FILE = (
+    "{caller}: `{path}` cannot be made: `{parent}` is a file, not a directory, and nothing "
+    "was written. Save under a directory (or remove the file)."
+)
+_ELSEWHERE = (
+    "{caller}: the first process could not rename the finished checkpoint to `{path}` "
+    "(its error says why); nothing of this save is left."
+)
+_NAME_BYTES = 1024  # room for a directory's name broadcast to the other processes
+
+
+def _broadcast_name(name: str) -> str:
+    """`name` as the first process has it, in every process."""
+    from jax.experimental import multihost_utils
+
+    encoded = np.zeros(_NAME_BYTES, np.uint8)
+    raw = name.encode()
+    encoded[: len(raw)] = np.frombuffer(raw, np.uint8)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
+    return bytes(shared).rstrip(b"\0").decode()
+
+
+def _private(parent: str, name: str) -> str:
+    """A new directory of this save's own beside the checkpoint; one for all processes
+    (the first makes it), as Orbax writes one checkpoint from all of them."""
+    first = jax.process_index() == 0
+    made = tempfile.mkdtemp(prefix=name + PRIVATE, dir=parent) if first else ""
+    if jax.process_count() == 1:
+        return made
+    return os.path.join(parent, _broadcast_name(os.path.basename(made)))
+
+
+def _publish(caller: str, written: str, path: str) -> None:
+    """Rename the finished checkpoint to `path`, in one step."""
+    try:
+        os.rename(written, path)  # atomic; fails when `path` is a directory with files
+    except OSError as error:
+        taken = error.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR)
+        if taken or os.path.lexists(path):
+            raise FileExistsError(_LOST_RACE.format(caller=caller, path=path)) from None
+        raise
+
+
+def _published_everywhere(caller: str, written: str, path: str) -> None:
+    """`_publish` by the first process once every process has written its part; the
+    others raise when it failed, and none returns before it is done."""
+    if jax.process_count() == 1:
+        _publish(caller, written, path)
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"{caller}: {path}")
+    failure: OSError | None = None
+    if jax.process_index() == 0:
+        try:
+            _publish(caller, written, path)
+        except OSError as error:
+            failure = error
+    lost = isinstance(failure, FileExistsError)
+    outcome = int(multihost_utils.broadcast_one_to_all(np.int32(2 * lost + (failure is not None))))
+    if failure is not None:
+        raise failure
+    if outcome == 3:
+        raise FileExistsError(_LOST_RACE.format(caller=caller, path=path))
+    if outcome:
+        raise OSError(_ELSEWHERE.format(caller=caller, path=path))
+
+
+@contextlib.contextmanager
+def private_checkpoint(caller: str, path: str) -> Iterator[str]:
+    """The directory to write the checkpoint for `path` into, renamed to `path` when the
+    block ends normally; on any error (or a lost race: `FileExistsError`) it is removed
+    and nothing is left. Its parent (`path`'s) is made first, as Orbax makes it."""
+    parent, name = os.path.split(path)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(_UNDER_A_FILE.format(caller=caller, path=path, parent=parent))
+    os.makedirs(parent, exist_ok=True)  # a `PermissionError` names the directory
+    private = _private(parent, name)
+    try:
+        written = os.path.join(private, name)
+        yield written
+        _published_everywhere(caller, written, path)
+    finally:
+        if jax.process_index() == 0:
+            shutil.rmtree(private, ignore_errors=True)
