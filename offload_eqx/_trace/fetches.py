@@ -2,11 +2,14 @@
 a value a loop body closes over, once outside the loop; and `ox.fetch`, the explicit
 fetch for a leaf used outside any region.
 
-Each fetch in a region is made under the leaf's plan path as a label, which the fetch's
-transpose (the gradient sent back to host memory) keeps: the audit names that gradient
-by path, even where the backward pass does not fetch the leaf again (a bias).
+Each fetch of an argument's leaf (in a region, or by `ox.fetch`) is made under the leaf's
+plan path as a label, which the fetch's transpose (the gradient sent back to host memory)
+keeps: the audit names that gradient by path, even where the backward pass does not fetch
+the leaf again (a bias), and where the fetch is differentiated where it is traced (outside
+any loop body or region, JAX gives its transpose no trace of the fetch but the label).
 """
 
+import contextlib
 from typing import Any
 
 import jax
@@ -42,7 +45,8 @@ def fetch(tree: Any) -> Any:
             return x
         if captured_by_loop(x):
             return fetched_outside(x, state)
-        return fetch_kept(x)
+        with _gradient_label(x):
+            return fetch_kept(x)
 
     return jax.tree_util.tree_map(one, tree)
 
@@ -54,8 +58,16 @@ def fetched_outside(x: Any, state: Any) -> Any:
         return fetch_outside(x)
     held = state.fetched_outside.get(id(x))
     if held is None or held[0] is not x:
-        held = state.fetched_outside[id(x)] = (x, fetch_outside(x))
+        with _gradient_label(x):
+            held = state.fetched_outside[id(x)] = (x, fetch_outside(x))
     return held[1]
+
+
+def _gradient_label(x: Any) -> Any:
+    """The scope a fetch of `x` is made in: labelled with its plan path when `x` is an
+    argument's leaf (see the module's docstring)."""
+    path = argument_path(x)
+    return labelled("gradient", path) if path else contextlib.nullcontext()
 
 
 def fetch_captured(module: Any) -> Any:
