@@ -25,6 +25,7 @@ from .._plan.remat_policy import OX_SCAN_SCOPE
 from .._plan.walk import format_keys
 from .._sharding.host_compute import on_host
 from .._sharding.memory_space import is_host_typed, to_device, to_host
+from .argument_writes import Snapshot, refuse_layer_writes, write_back
 from .fetches import fetch_captured, fetched, labels_of
 from .state import active_plan, argument_path, current, in_region, record_name
 
@@ -95,32 +96,42 @@ def _region(
     out_names: list,
     policy=None,
     labels: list = (),  # type: ignore[assignment]
+    in_loop: bool = False,
 ) -> Callable:
     """A function `(module, args, kwargs, in_names) -> output` that runs in a region,
     with `policy` (by default the plan's, outside any scan); `labels` (see `labels_of`)
-    name the module's leaves."""
+    name the module's leaves. The call runs on copies of `args` and `kwargs`; what it
+    writes into their dicts and lists is written into the caller's (`argument_writes`),
+    except `in_loop` (the body of `ox.scan`), where such a write is refused."""
     out_types: list = []
+    writes: list = []
 
     def body(module, args, kwargs, in_names):
         module = fetched(module, list(labels))
         with in_region():
             args = _rename(args, in_names)
+            snapshot = Snapshot((args, kwargs))
             out = module(*args, **kwargs)
             out_names[:] = _names_of(out)
             out_types[:] = [_type_of(x) for x in jax.tree_util.tree_leaves(out)]
-            return out
+            changes = snapshot.changes()
+            if in_loop:
+                refuse_layer_writes(snapshot, changes)
+            writes[:] = [(index, kind) for index, kind, _ in changes]
+            return out, [contents for _, _, contents in changes]
 
-    if plan.saves_everything and not has_host_leaves and not plan.offloads_activations:
-        # Nothing to fetch and nothing to offload: a plain call, as without offload_eqx.
-        # A name offloaded under `save` (`names={"h": "offload"}`) needs the region: the
-        # policy that offloads it applies only inside one.
-        return body
-    checkpointed = eqx.filter_checkpoint(
-        body, policy=policy or plan.policy, prevent_cse=prevent_cse
-    )
+    run = body
+    if not plan.saves_everything or has_host_leaves or plan.offloads_activations:
+        # Else nothing to fetch and nothing to offload: a plain call, as without
+        # offload_eqx. A name offloaded under `save` (`names={"h": "offload"}`) needs the
+        # region: the policy that offloads it applies only inside one.
+        run = eqx.filter_checkpoint(body, policy=policy or plan.policy, prevent_cse=prevent_cse)
 
     def region(module, args, kwargs, in_names):
-        return _as_returned(checkpointed(module, args, kwargs, in_names), out_types)
+        out, contents = run(module, args, kwargs, in_names)
+        changes = [(index, kind, c) for (index, kind), c in zip(writes, contents)]
+        write_back((args, kwargs), changes)
+        return out if run is body else _as_returned(out, out_types)
 
     return region
 
@@ -197,7 +208,9 @@ def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
     inside the call, and fetches the module's host-resident leaves to the device inside
     the region (again in the backward pass), so their device copies are never residuals.
     `module` is an `eqx.Module` (or a function of plain arrays): wrap a vmapped block
-    with `eqx.filter_vmap(block)`, not `jax.vmap(block)`, which hides its arrays.
+    with `eqx.filter_vmap(block)`, not `jax.vmap(block)`, which hides its arrays. What
+    the call writes into a dict or list among its arguments reaches the caller's, as
+    without the region.
 
     **Returns:** what `module(*args, **kwargs)` returns.
     """
@@ -244,7 +257,8 @@ def scan(
     - `stacked`: a module whose array leaves all have a leading layer axis (for example
         built with `eqx.filter_vmap`). Non-array fields are shared by every layer.
     - `carry`: the input of the first layer; each layer returns the input of the next.
-    - `*args`, `**kwargs`: passed unchanged to every layer (masks, positions, ...).
+    - `*args`, `**kwargs`: passed unchanged to every layer (masks, positions, ...); a
+        layer writing into a dict or list among them is refused (carry it instead).
     - `axis`: the layer axis of the leaves (0 by default; host-resident leaves must use 0).
     - `unroll`: passed to `jax.lax.scan`.
 
@@ -305,7 +319,7 @@ def scan(
 
             def step(carry, layer_dynamic, policy=policy):
                 layer = eqx.combine(layer_dynamic, static)
-                region = _region(plan, has_host, False, out_names, policy, labels)
+                region = _region(plan, has_host, False, out_names, policy, labels, in_loop=True)
                 return region(layer, (carry, *args), kwargs, carry_names), None
 
             with jax.named_scope(OX_SCAN_SCOPE):
@@ -385,8 +399,11 @@ def _carry_names(dynamic, static, carry, args, kwargs, plan: Plan) -> list:
 
     def one_layer(layer_dynamic, carry):
         layer = jax.tree_util.tree_map(to_device, eqx.combine(layer_dynamic, static))
+        # Copies of the containers: a layer that writes into one must not leave this
+        # shape-only trace's values in the caller's (the scan refuses such a write).
+        call_args, call_kwargs = jax.tree_util.tree_map(lambda x: x, (args, kwargs))
         with in_region():
-            out = layer(carry, *args, **kwargs)
+            out = layer(carry, *call_args, **call_kwargs)
         out_names[:] = _names_of(out)
         return out
 
