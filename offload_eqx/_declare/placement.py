@@ -76,7 +76,10 @@ def field(
     A field declared with `ox.field` is *managed*: strategies such as
     `"offload_params"` may move it. The value of `memory` is its placement under the
     model's own annotations (the default strategy). Every array leaf under the field
-    (the field may hold a sub-module or a container) gets this placement.
+    (the field may hold a sub-module or a container) gets this placement. A module under
+    the field brings its own region, as one `ox.annotate` selects does (`ox.scan` over a
+    stacked module there fetches one layer at a time); the declaring class's region
+    fetches the arrays its fields hold directly.
 
     **Returns:** an `eqx.field` whose metadata carries an `ox.Placement`.
     """

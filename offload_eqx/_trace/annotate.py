@@ -27,6 +27,8 @@ from .state import current, inside_region
 _SUBCLASSES: dict[tuple, type] = {}
 # Set on the classes whose `__call__` brings its own region.
 REGION_ATTRIBUTE = "__offload_eqx_region__"
+# Set on the classes `region_class` makes: the class they were made from.
+ORIGINAL_ATTRIBUTE = "__offload_eqx_original__"
 
 
 class _Marker:
@@ -53,14 +55,14 @@ def with_region(method: Any) -> Any:
     """A method of an annotated module (its `__call__`, or another public method such as
     `generate`): the original one, inside a region (so the module's host-resident
     leaves are fetched there, and its activations follow the step's strategy), unless
-    a region encloses it. Outside `ox.filter_jit`, a module whose arrays are all on the
-    device runs as written, exactly as the unannotated one."""
+    a region that fetched its leaves encloses it. Outside `ox.filter_jit`, a module whose
+    arrays are all on the device runs as written, exactly as the unannotated one."""
 
     @functools.wraps(method)
     def in_region(self, *args, **kwargs):
-        if inside_region() or (current() is None and not _holds_host_arrays(self)):
-            return method(self, *args, **kwargs)
-        return checkpoint(Call(self, method), *args, **kwargs)
+        if _holds_host_arrays(self) or (current() is not None and not inside_region()):
+            return checkpoint(Call(self, method), *args, **kwargs)
+        return method(self, *args, **kwargs)
 
     return in_region
 
@@ -130,9 +132,41 @@ def _annotated_class(
         namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
         namespace[REGION_ATTRIBUTE] = True
     subclass = type(cls.__name__, (cls,), namespace)
-    subclass.__qualname__ = cls.__qualname__
+    # The node type of the annotated module differs from the plain one's, so a tree built
+    # from the plain model does not map over it: JAX's error names both types, which
+    # this suffix tells apart (they would both read `<class '...Linear'>`).
+    suffix = " (annotated)"
+    subclass.__qualname__ = cls.__qualname__ + ("" if cls.__qualname__.endswith(suffix) else suffix)
     _SUBCLASSES[key] = subclass
     return subclass
+
+
+def region_class(cls: type) -> type:
+    """`cls` with each of its region methods bringing a region as an annotated module's
+    do, and its fields as they are: the class of a module held under a field declared
+    with `ox.field`, while the class declaring the field runs (see `own_regions`)."""
+    key = (cls, "region")
+    subclass = _SUBCLASSES.get(key)
+    if subclass is None:
+        namespace: dict[str, Any] = {"__annotations__": {}, "__module__": cls.__module__}
+        namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
+        namespace[REGION_ATTRIBUTE] = True
+        namespace[ORIGINAL_ATTRIBUTE] = cls
+        subclass = _SUBCLASSES[key] = type(cls.__name__, (cls,), namespace)
+        subclass.__qualname__ = cls.__qualname__
+    return subclass
+
+
+def original_classes(tree: Any) -> Any:
+    """`tree` with every module of a `region_class` back in its own class."""
+
+    def is_made(x: Any) -> bool:
+        return ORIGINAL_ATTRIBUTE in vars(type(x))
+
+    def back(x: Any) -> Any:
+        return copy_as(x, vars(type(x))[ORIGINAL_ATTRIBUTE]) if is_made(x) else x
+
+    return jax.tree_util.tree_map(back, tree, is_leaf=is_made)
 
 
 def copy_as(module: eqx.Module, cls: type) -> eqx.Module:
@@ -203,11 +237,12 @@ def annotate(
     - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
         declared on the selected modules.
     - `region`: with `memory=`, each selected module (or the module owning a selected
-        field) runs its `__call__` in a remat region when no region encloses the call,
-        so its host-resident leaves are fetched there, one module at a time, under every
-        strategy; its cost is that of `ox.checkpoint` (the call is recomputed in the
-        backward pass unless the strategy saves everything). `region=False` opts out:
-        call the module through `ox.scan`/`ox.checkpoint` yourself.
+        field) runs its `__call__` (and its other public methods) in a remat region
+        when no region fetched its leaves, so its host-resident leaves are fetched
+        there, one module at a time, under every strategy; its cost is that of
+        `ox.checkpoint` (the call is recomputed in the backward pass unless the strategy
+        saves everything). `region=False` opts out: call the module through
+        `ox.scan`/`ox.checkpoint` yourself.
 
     **Returns:** a copy of `tree`; the original is not changed.
 
