@@ -5,6 +5,7 @@ Everything here traces on `jax.ShapeDtypeStruct`s (or small arrays) and runs not
 
 import equinox as eqx
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -660,3 +661,175 @@ def test_callbacks_are_reported_as_transfers():
     )
     assert report.select("d2h", "jax.pure_callback*")[0].where == "scan[3]"
     assert "(no transfers)" not in str(report)
+
+
+# -- issue 37 items 2 and 15: every transfer named by what it is, never by its shape --------
+
+
+class PreNormBlock(eqx.Module):
+    norm: eqx.nn.LayerNorm  # weight and bias of one shape
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return x + self.linear(jax.nn.gelu(self.norm(x)))
+
+
+class ScannedBlocks(eqx.Module):
+    """`eqx.filter_vmap`-stacked blocks under a plain `jax.lax.scan`, and a head."""
+
+    blocks: PreNormBlock
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(x, block):
+            return eqx.combine(block, static)(x), None
+
+        return self.head(jax.lax.scan(body, x, dynamic)[0])
+
+
+def scanned_blocks() -> ScannedBlocks:
+    keys = jax.random.split(jax.random.key(0), 4)
+    blocks = eqx.filter_vmap(
+        lambda key: PreNormBlock(eqx.nn.LayerNorm(4), eqx.nn.Linear(4, 4, key=key))
+    )(keys[:3])
+    model = ScannedBlocks(blocks, eqx.nn.Linear(4, 2, key=keys[3]))
+    return ox.place(ox.annotate(model, lambda m: m.blocks, memory="pinned_host"))
+
+
+def host_leaves(root: str, tree) -> dict[str, int]:
+    """Each host-resident array of `tree` by its path under the argument name `root`."""
+    return {
+        root + jax.tree_util.keystr(path): leaf.nbytes
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if eqx.is_array(leaf) and leaf.sharding.memory_kind == "pinned_host"
+    }
+
+
+def bytes_by_name(report: TransferReport, direction: str, phase: str) -> dict[str, int]:
+    moved: dict[str, int] = {}
+    for t in report.select(direction, phase=phase):
+        moved[t.what] = moved.get(t.what, 0) + t.bytes
+    return moved
+
+
+@pytest.mark.parametrize(
+    "options, steps",
+    [
+        (dict(stream="leaf"), 1),
+        (dict(stream="leaf"), 3),
+        (dict(stream="layer", layers=3), 1),
+        ({}, 3),
+    ],
+)
+def test_each_write_back_is_named_by_the_leaf_it_writes(options, steps):
+    """The new `mu`/`nu` and the updated host weights were `a computed value` under
+    `stream="leaf"`/`"layer"`, and under any optimizer inside a `jax.lax.scan` over steps."""
+    model = scanned_blocks()
+    opt = ox.offload_optimizer(optax.adamw(1e-3), **options)
+    opt_state = ox.place(opt.init(eqx.filter(model, eqx.is_inexact_array)))
+    x = jnp.ones(4)
+
+    def train_step(model, opt_state):
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    @ox.filter_jit
+    def train(model, opt_state):
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def body(carry, _):
+            model, opt_state = train_step(eqx.combine(carry[0], static), carry[1])
+            return (eqx.filter(model, eqx.is_array), opt_state), None
+
+        (params, opt_state), _ = jax.lax.scan(body, (params, opt_state), None, length=steps)
+        return eqx.combine(params, static), opt_state
+
+    report = audit(train_step if steps == 1 else train, model, opt_state)
+    written = {**host_leaves("opt_state", opt_state), **host_leaves("model", model)}
+    assert len(written) == 6 * 2 + 4  # mu and nu of the 6 parameters, the 4 host weights
+    assert bytes_by_name(report, "d2h", "update") == {
+        path: size * steps for path, size in written.items()
+    }, report
+
+
+@pytest.mark.parametrize("frozen", [None, "norm.weight", "norm.bias"])
+def test_gradients_under_a_plain_scan_are_named_by_their_leaf_not_their_shape(frozen):
+    """The layer norm's weight and bias (and the linear layer's bias) have one shape; the
+    rows were matched by shape: "one of model.blocks.norm.weight, ...", or a leaf held
+    fixed named for another's gradient."""
+    model = scanned_blocks()
+    spec = jax.tree_util.tree_map(lambda _: True, model)
+    if frozen is not None:
+        names = frozen.split(".")
+        spec = eqx.tree_at(lambda s: getattr(getattr(s.blocks, names[0]), names[1]), spec, False)
+
+    @ox.filter_jit
+    def gradients(model, x):
+        trained, fixed = eqx.partition(model, spec)
+        return eqx.filter_grad(lambda t: jnp.sum(eqx.combine(t, fixed)(x) ** 2))(trained)
+
+    report = audit(gradients, model, jnp.ones(4))
+    expected = {
+        path: size
+        for path, size in host_leaves("model", model).items()
+        if frozen is None or not path.endswith(frozen)
+    }
+    assert bytes_by_name(report, "d2h", "backward") == expected, report
+    assert {t.kind for t in report.select("d2h")} == {"gradient"}
+
+
+def test_the_gradient_of_a_leaf_fetched_with_ox_fetch_is_named_by_the_leaf():
+    """It was named by the output it is returned as (`output.first.weight`, kind
+    `output`): a fetch differentiated where it is traced leaves its transpose no trace of
+    the fetch but the label `ox.fetch` gives it."""
+
+    class Pair(eqx.Module):
+        first: eqx.nn.Linear
+        second: eqx.nn.Linear
+
+    keys = jax.random.split(jax.random.key(0))
+    linears = [eqx.nn.Linear(4, 4, use_bias=False, key=key) for key in keys]
+    model = ox.place(ox.annotate(Pair(*linears), lambda m: m, memory="pinned_host"))
+    spec = eqx.tree_at(
+        lambda m: m.second.weight, jax.tree_util.tree_map(lambda _: True, model), False
+    )
+
+    @ox.filter_jit
+    def gradients(model):
+        trained, fixed = eqx.partition(model, spec)
+
+        def penalty(trained):
+            fetched = ox.fetch(eqx.combine(trained, fixed))
+            return sum(jnp.sum(w**2) for w in jax.tree_util.tree_leaves(fetched))
+
+        return eqx.filter_grad(penalty)(trained)
+
+    report = audit(gradients, model)
+    assert [(t.kind, t.what) for t in report.select("d2h")] == [("gradient", "model.first.weight")]
+
+
+def test_jax_gives_a_fetch_and_its_transpose_one_traceback():
+    """What the audit pairs a gradient with its leaf by: an equation traced into a body
+    first (a scan's, a remat region's) keeps its traceback object on every equation JAX
+    derives from it, its transpose included."""
+
+    def loss(w):
+        def body(c, layer):
+            return c * jax.device_put(layer, DEVICE), None
+
+        return jnp.sum(jax.lax.scan(body, jnp.ones(4), w)[0])
+
+    host = jax.device_put(jnp.ones((3, 4)), HOST)
+    found = []
+
+    def collect(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "device_put":
+                found.append(eqn.source_info.traceback)
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                collect(getattr(sub, "jaxpr", sub))
+
+    collect(jax.make_jaxpr(jax.grad(loss))(host).jaxpr)
+    assert len(found) == 2 and found[0] is not None and found[0] is found[1]

@@ -5,9 +5,9 @@ backend) and walks its jaxpr. A transfer is a `device_put` whose input and outpu
 spaces differ. Its bytes are multiplied by the trip count of every enclosing `scan`; a
 `cond` counts its largest branch; a `while` loop, whose trip count is unknown, counts
 once. Values are followed through the program (into and out of scan, remat and jit
-bodies) so that each transfer is attributed to what it moves: a parameter or
-optimizer-state leaf by its path, a named activation, the gradient of a host-resident
-parameter, or a function output.
+bodies) so that each transfer is attributed to what it is: a parameter or
+optimizer-state leaf by its path (what it moves, or what it is written into), a named
+activation, the gradient of a host-resident parameter, or a function output.
 
 The placement contract is checked on the same walk; each breach is a `Violation`
 naming a path, and `ox.audit` raises a `ContractError` listing them all (the report is on

@@ -4,10 +4,14 @@ A transfer is a `device_put` whose input and output memory spaces differ. Its by
 multiplied by the trip count of every enclosing `scan`; a `cond` counts its largest
 branch; a `while` loop, whose trip count is unknown, counts once. Values are followed
 through the program (into and out of scan, remat and jit bodies) so that each transfer
-is attributed to what it moves: a parameter or optimizer-state leaf by its path, a named
-activation, the gradient of a host-resident parameter, or a function output. A host
-callback (`jax.pure_callback`, `io_callback`, `jax.debug.print`, `jax.debug.callback`) is
-a transfer too: its operands go to the host and its results come back on every call.
+is named by what it is, never by its shape: what it moves (a parameter or
+optimizer-state leaf by its path, a named activation), the host leaf whose fetch it
+transposes (a gradient: JAX keeps the fetch's traceback on its transpose, and the
+library's fetches carry the leaf's path as a label), or the output leaf it is written
+into (a new optimizer state or an updated weight sent back to host memory, found by
+`destinations`). A host callback (`jax.pure_callback`, `io_callback`, `jax.debug.print`,
+`jax.debug.callback`) is a transfer too: its operands go to the host and its results come
+back on every call.
 
 Forward or backward: JAX names the equations it derives by differentiation, and the
 name stack survives in the jaxpr: `jvp(...)` for the forward (primal) pass and
@@ -42,6 +46,7 @@ from .._base.primitives import (
 )
 from .._sharding.host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_computation
 from .._sharding.memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
+from .destinations import destinations
 from .transfer_report import HostComputation, Transfer
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
@@ -104,8 +109,9 @@ class _Walker:
         self.host_computations: list[HostComputation] = []
         self.saw_backward = False
         self._seen_violations: set[tuple[str, str]] = set()
-        # Every host leaf fetched in the walk, by type: (shape, dtype) -> paths.
-        self._fetched: dict[tuple, list[str]] = {}
+        # The leaves fetched in the forward pass, by the fetch equation's traceback (see
+        # `_transposed_fetch`): id -> paths, in program order.
+        self._fetched: dict[int, list[str]] = {}
 
     def violate(self, rule: str, path: str, message: str) -> None:
         if (rule, path) not in self._seen_violations:
@@ -121,9 +127,15 @@ class _Walker:
         where: tuple[str, ...],
         host_ok: bool,
         top: bool = False,
+        outputs: list | None = None,
     ) -> None:
+        """Walk `jaxpr`; `outputs`: what each of its outputs is, (kind, what) or None (the
+        top level: the step's outputs)."""
+        if top:
+            outputs = [self.outputs.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+        dests = destinations(jaxpr, outputs or [None] * len(jaxpr.outvars))
         seen_backward = False
-        fetches: list[tuple[str, Any]] = []  # host leaves fetched in this body: (path, aval)
+        fetches: list[tuple[int, str]] = []  # host leaves fetched in this body: (traceback, path)
         for eqn in jaxpr.eqns:
             stack = str(eqn.source_info.name_stack)
             eqn_phase = phase_of(stack, phase, seen_backward)
@@ -134,7 +146,7 @@ class _Walker:
             if eqn_phase == "backward":
                 self._check_residuals(eqn, env)
             if prim == "device_put":
-                self._device_put(eqn, env, count, eqn_phase, where, fetches, top, stack)
+                self._device_put(eqn, env, count, eqn_phase, where, fetches, dests, stack)
             elif prim == "name":
                 self.names_seen.add(eqn.params["name"])
                 env[eqn.outvars[0]] = _Origin("activation", eqn.params["name"])
@@ -164,7 +176,7 @@ class _Walker:
                     self._host_computation(eqn, stack, count, eqn_phase, where)
                     eqn_host_ok = True
                 before = self.saw_backward
-                self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok)
+                self._nested(eqn, env, count, eqn_phase, where, eqn_host_ok, dests)
                 # A gradient computed inside a nested jit: what follows it is the update.
                 seen_backward = seen_backward or (self.saw_backward and not before)
             elif prim == "add_any" and self._sums_gradients(eqn, env):
@@ -214,8 +226,9 @@ class _Walker:
 
     # -- transfers -------------------------------------------------------------------
 
-    def _device_put(self, eqn, env, count, phase, where, fetches, top, stack) -> None:
+    def _device_put(self, eqn, env, count, phase, where, fetches, dests, stack) -> None:
         label = label_in(stack)
+        traceback = id(eqn.source_info.traceback) if eqn.source_info.traceback else None
         for invar, outvar in zip(eqn.invars, eqn.outvars):
             if not _is_var(invar):
                 continue
@@ -230,28 +243,16 @@ class _Walker:
                     env[outvar] = dataclasses.replace(source, fetched_in=None)
             if not (to_host or to_device) or _is_drop(outvar):
                 continue
-            if source is not None:
-                kind, what = source.kind, source.what
-                if to_device and kind == "parameter":
-                    fetches.append((what, invar.aval))
-                    self._fetched.setdefault(
-                        (tuple(invar.aval.shape), invar.aval.dtype), []
-                    ).append(what)
-            elif top and outvar in self.outputs:
-                kind, what = self.outputs[outvar]
-            elif label is not None:
-                kind, what = label
-                if kind == "gradient" and to_host:
-                    env[outvar] = _Origin("gradient", what)
-            elif to_host and phase == "backward":
-                kind, what = "gradient", self._gradient_of(outvar.aval, fetches)
-                env[outvar] = _Origin("gradient", what)
-            else:
-                kind, what = "intermediate", "a computed value"
+            if source is not None and to_device and source.kind in ("parameter", "input"):
+                self._record_fetch(traceback, source.what, phase, fetches)
+            kind, what = self._name(
+                source, label, to_host, phase, traceback, fetches, dests, outvar
+            )
             if to_host and phase == "backward" and kind == "parameter":
                 # What the backward pass sends to a parameter's host memory is its
                 # gradient (a loop's summed cotangent, or gradients returned as they are).
                 kind = "gradient"
+            if kind == "gradient" and to_host:
                 env[outvar] = _Origin("gradient", what)
             self.transfers.append(
                 Transfer(
@@ -266,6 +267,32 @@ class _Walker:
                     where=" > ".join(where),
                 )
             )
+
+    def _name(self, source, label, to_host, phase, traceback, fetches, dests, outvar):
+        """What a transfer moves, by provenance: the value it moves (followed from the
+        step's arguments), a label the library put on it, the host leaf whose fetch it
+        transposes (a gradient), or the output it is written into (a new optimizer state,
+        an updated weight)."""
+        if source is not None:
+            return source.kind, source.what
+        if label is not None:
+            return label
+        if to_host and phase == "backward":
+            fetched = self._transposed_fetch(traceback, fetches)
+            if fetched is not None:
+                return "gradient", fetched
+        if outvar in dests:
+            return dests[outvar]
+        if to_host and phase == "backward":
+            return "gradient", "a host-resident leaf"
+        return "intermediate", "a computed value"
+
+    def _record_fetch(self, traceback, path, phase, fetches) -> None:
+        if traceback is None:
+            return
+        fetches.append((traceback, path))
+        if phase == "forward":
+            self._fetched.setdefault(traceback, []).append(path)
 
     def _callback(self, eqn, count, phase, where) -> None:
         """A host callback: each operand goes to the host, each result comes back."""
@@ -290,23 +317,26 @@ class _Walker:
                 )
             )
 
-    def _gradient_of(self, aval, fetches: list[tuple[str, Any]]) -> str:
-        """The host leaf whose fetch this cotangent transposes: JAX transposes in
-        reverse order, so the latest fetch of the same type not yet paired in this body.
-        A leaf the backward pass does not fetch again (a bias: its gradient does not
-        read it) was fetched in another body (the forward pass of a loop): the one host
-        leaf of that type fetched anywhere, or those it can be."""
+    def _transposed_fetch(self, traceback, fetches: list[tuple[int, str]]) -> str | None:
+        """The host leaf whose fetch this cotangent's move to host memory transposes. JAX
+        gives every equation it derives from another (the fetch's tangent, its copy
+        recomputed in a remat region, the transpose of that tangent) the traceback
+        object of the equation it derives from, when that equation was traced into a
+        program first (the body of a scan, a remat region, a jit): the fetch and its
+        transpose share it. The fetch made for this backward body (a remat region's
+        recomputation) is the one it transposes; a leaf the backward pass does not fetch
+        again (a bias: its gradient does not read it) was fetched in the forward pass.
+        One fetch equation fetching several leaves (a jit body called twice) is
+        transposed in reverse order, the latest first."""
+        if traceback is None:
+            return None
         for i in range(len(fetches) - 1, -1, -1):
-            path, fetched = fetches[i]
-            if tuple(fetched.shape) == tuple(aval.shape) and fetched.dtype == aval.dtype:
-                del fetches[i]
-                return path
-        candidates = list(dict.fromkeys(self._fetched.get((tuple(aval.shape), aval.dtype), [])))
-        if len(candidates) == 1:
-            return candidates[0]
-        if candidates:
-            return "one of " + ", ".join(candidates[:3]) + ("..." if len(candidates) > 3 else "")
-        return "a host-resident leaf"
+            if fetches[i][0] == traceback:
+                return fetches.pop(i)[1]
+        paths = self._fetched.get(traceback, [])
+        if len(set(paths)) > 1:
+            return paths.pop()
+        return paths[0] if paths else None
 
     # -- contract checks on the walk ---------------------------------------------------
 
@@ -358,7 +388,7 @@ class _Walker:
 
     # -- nested programs -------------------------------------------------------------
 
-    def _nested(self, eqn, env, count, phase, where, host_ok) -> None:
+    def _nested(self, eqn, env, count, phase, where, host_ok, dests) -> None:
         prim, params = eqn.primitive.name, eqn.params
         invars, outvars = list(eqn.invars), list(eqn.outvars)
         if prim == "scan":
@@ -373,12 +403,13 @@ class _Walker:
                 phase,
                 where + (label,),
                 host_ok,
+                dests,
             )
         elif prim == "cond":
             best = None
             for index, branch in enumerate(params["branches"]):
                 sub = _Walker(self.outputs)
-                sub.names_seen = self.names_seen
+                sub.names_seen, sub._fetched = self.names_seen, self._fetched
                 sub._enter(
                     _open(branch),
                     invars[1:],
@@ -388,6 +419,7 @@ class _Walker:
                     phase,
                     where + (f"cond branch {index}",),
                     host_ok,
+                    dests,
                 )
                 for v in sub.violations:
                     self.violate(v.rule, v.path, v.message)
@@ -406,6 +438,7 @@ class _Walker:
                 phase,
                 where + ("while (trip count unknown, counted once)",),
                 host_ok,
+                dests,
             )
         else:
             subs = list(jex.core.jaxprs_in_params(params))
@@ -422,14 +455,17 @@ class _Walker:
                     phase,
                     where + (label,),
                     host_ok,
+                    dests,
                 )
 
-    def _enter(self, body, invars, outvars, env, count, phase, where, host_ok) -> None:
+    def _enter(self, body, invars, outvars, env, count, phase, where, host_ok, dests) -> None:
         inner: dict = {}
         for outer, var in zip(invars, body.invars):
             if _is_var(outer) and outer in env:
                 inner[var] = env[outer]
-        self.walk(body, inner, count, phase, where, host_ok)
+        aligned = len(outvars) == len(body.outvars)
+        outputs = [dests.get(v) for v in outvars] if aligned else None
+        self.walk(body, inner, count, phase, where, host_ok, outputs=outputs)
         if len(outvars) == len(body.outvars):
             for outer, var in zip(outvars, body.outvars):
                 if _is_var(var) and var in inner and not _is_drop(outer):
