@@ -2,7 +2,7 @@
 for; the options it validates when wrapping; the errors on state it did not make;
 `ox.update_and_apply` for any transformation."""
 
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -32,10 +32,12 @@ TRANSFORMS = {
 }
 
 
-def _reference(model, transform, x, steps):
+def _reference(model, transform, x, steps, stale=False):
+    """`steps` updates by plain optax; `stale`: each with the initial model's gradient."""
     state = transform.init(model)
+    first = jax.grad(loss_fn)(model, x)
     for _ in range(steps):
-        grads = jax.grad(loss_fn)(model, x)
+        grads = first if stale else jax.grad(loss_fn)(model, x)
         updates, state = transform.update(grads, state, model)
         model = eqx.apply_updates(model, updates)
     return model
@@ -67,6 +69,92 @@ def test_matches_plain_optax(name, strategy):
     for leaf in jax.tree_util.tree_leaves(state):
         expected = "device" if leaf.ndim == 0 else "pinned_host"
         assert leaf.sharding.memory_kind == expected
+
+
+class ValuesState(NamedTuple):
+    every: int  # Python values the update branches on (issue 37, item 8)
+    mode: str
+    mu: Any
+
+
+def with_python_values(count_in_python: bool = False) -> optax.GradientTransformation:
+    """Momentum whose state holds a Python int and a str that its update reads."""
+
+    def init(params):
+        return ValuesState(2, "momentum", jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params=None):
+        assert isinstance(state.every, int) and isinstance(state.mode, str)
+        if state.mode == "momentum":
+            mu = jax.tree.map(lambda m, g: 0.9 * m + g, state.mu, grads)
+        else:
+            mu = grads
+        every = state.every + 1 if count_in_python else state.every
+        return jax.tree.map(lambda m: -1e-2 / state.every * m, mu), ValuesState(
+            every, "momentum", mu
+        )
+
+    return optax.GradientTransformation(cast(Any, init), cast(Any, update))
+
+
+PYTHON_VALUE_MODES = {
+    "device": {},
+    "memory_device": {"memory": "device"},
+    "host": {"update_on": "host"},
+    "stream_leaf": {"stream": "leaf"},
+    "stream_layer": {"stream": "layer", "layers": 3},
+    "delay": {"delay": 1},
+    "delay_host": {"delay": 1, "update_on": "host"},
+}
+
+
+@pytest.mark.parametrize("mode", list(PYTHON_VALUE_MODES))
+def test_python_values_in_the_state_pass_through_untouched(mode):
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    options = PYTHON_VALUE_MODES[mode]
+    opt = ox.offload_optimizer(with_python_values(), **options)
+    model = ox.place(scanned_model(jax.random.key(0)))
+    state = opt.init(model)
+
+    def values_of(state):
+        return [v for v in jax.tree.leaves(state) if not eqx.is_array(v)]
+
+    # One (every, mode) pair for the whole state, or one per parameter when streamed.
+    assert values_of(state) == [2, "momentum"] * (2 if "stream" in options else 1)
+
+    @ox.filter_jit(donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    delayed = "delay" in options
+    for _ in range(3 if delayed else 2):
+        model, state = step(model, state, x)
+    assert values_of(state) == [2, "momentum"] * (2 if "stream" in options else 1)
+    # Delayed: the first step applies nothing, the next two the gradients of the first
+    # two, both taken at the initial parameters.
+    reference = _reference(
+        scanned_model(jax.random.key(0)), with_python_values(), x, steps=2, stale=delayed
+    )
+    for a, b in zip(jax.tree.leaves(to_numpy(model)), jax.tree.leaves(to_numpy(reference))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_python_value_the_update_changes_is_named_where_a_step_may_not_update():
+    # A delayed update decides at run time whether to update: a value it changes
+    # cannot be the result of that choice.
+    opt = ox.offload_optimizer(with_python_values(count_in_python=True), delay=1)
+    model = ox.place(scanned_model(jax.random.key(0)))
+    state = opt.init(model)
+    step = ox.filter_jit(
+        lambda m, s, x: ox.update_and_apply(opt, eqx.filter_grad(loss_fn)(m, x), s, m)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`opt_state.inner.state.every` is the Python value 3 after an update and 2 "
+        r"after a step that applies no gradient.*must be an array.*`jnp.asarray\(2\)`",
+    ):
+        step(model, state, jnp.ones((8, 16)))
 
 
 def test_init_on_host_params_writes_state_straight_to_host():

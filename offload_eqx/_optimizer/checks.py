@@ -15,7 +15,7 @@ import jax.extend
 import numpy as np
 import optax
 
-from .state import NAME, call_update
+from .state import NAME, call_update, eval_shape
 
 
 def _call_body(eqn: Any) -> Any:
@@ -57,6 +57,12 @@ def _leaf_dependencies(jaxpr: Any, labels: Sequence[frozenset]) -> list[frozense
     ]
 
 
+def _arrays_and_values(state: Any) -> tuple[Any, Any]:
+    """An abstract state's arrays (`ShapeDtypeStruct`s), traced, and its Python values
+    (an int, a string), which the trace closes over."""
+    return eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
 def check_per_leaf(transform: optax.GradientTransformation, params: Any) -> None:
     """Raise a `ValueError` unless `transform`, traced on all of `params` at once, computes
     every update and every new state leaf from the gradient and value of one parameter.
@@ -70,10 +76,11 @@ def check_per_leaf(transform: optax.GradientTransformation, params: Any) -> None
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     if len(paths) < 2:
         return
-    state = jax.eval_shape(transform.init, abstract)
+    state, values = _arrays_and_values(eval_shape(transform.init, abstract))
 
     def update(grads, state, params):
-        return call_update(transform, grads, state, params, {})
+        out = call_update(transform, grads, eqx.combine(state, values), params, {})
+        return eqx.filter(out, eqx.is_array)
 
     closed, out_shape = jax.make_jaxpr(update, return_shape=True)(abstract, state, abstract)
     n_state = len(jax.tree_util.tree_leaves(state))
@@ -168,7 +175,7 @@ def check_elementwise(transform: optax.GradientTransformation, leaf: Any, path: 
     """
     shape = tuple(np.shape(leaf))
     abstract = jax.ShapeDtypeStruct(shape, leaf.dtype)
-    state = jax.eval_shape(transform.init, abstract)
+    state, values = _arrays_and_values(eval_shape(transform.init, abstract))
     where = f" on `{path}`" if path else ""
     for state_leaf in jax.tree_util.tree_leaves(state):
         if np.shape(state_leaf) not in ((), shape):
@@ -181,7 +188,8 @@ def check_elementwise(transform: optax.GradientTransformation, leaf: Any, path: 
             )
 
     def update(grad, state, param):
-        return call_update(transform, grad, state, param, {})
+        out = call_update(transform, grad, eqx.combine(state, values), param, {})
+        return eqx.filter(out, eqx.is_array)
 
     closed = jax.make_jaxpr(update)(abstract, state, abstract)
     aligned = [True] + [np.shape(x) == shape for x in jax.tree_util.tree_leaves(state)] + [True]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .state import call_update
+from .state import call_update, cond, eval_shape
 
 DELAYS = (0, 1)
 
@@ -60,7 +60,8 @@ class DelayedUpdate:
         def kept(shapes):
             return zeros(shapes[0]), state.state
 
-        updates, inner = when_ready(state.ready, full, kept)
+        labels = ("updates", "opt_state.inner.state")
+        updates, inner = when_ready(state.ready, full, kept, labels)
         return updates, Delayed(inner, grads, jnp.asarray(True))
 
 
@@ -89,22 +90,26 @@ def zeros(shapes: Any) -> Any:
     )
 
 
-def when_ready(ready: Any, full: Callable[[], Any], kept: Callable[[Any], Any]) -> Any:
+def when_ready(
+    ready: Any, full: Callable[[], Any], kept: Callable[[Any], Any], labels: tuple[str, ...]
+) -> Any:
     """`full()` when `ready` (a boolean scalar, or None: always), else `kept(shapes)`,
     where `shapes` are `full()`'s output shapes: a `jax.lax.cond`, so that the first
     step of a delayed update (nothing pending) changes neither the parameters nor the
-    state (Adam's count, weight decay)."""
+    state (Adam's count, weight decay). Python values of the state are the same either
+    way (an error naming the value otherwise; `labels` names `full()`'s results)."""
     if ready is None:
         return full()
-    shapes = jax.eval_shape(full)
+    shapes = eval_shape(full)
 
     def skip():
         out = kept(shapes)
         return jax.tree_util.tree_map(
-            lambda x, s: None if x is None else jnp.asarray(x).astype(s.dtype),
+            lambda x, s: jnp.asarray(x).astype(s.dtype) if hasattr(s, "dtype") else x,
             out,
             shapes,
             is_leaf=lambda x: x is None,
         )
 
-    return jax.lax.cond(ready, full, skip)
+    without = "after a step that applies no gradient (the first one with `delay=1`)"
+    return cond(ready, full, skip, without=without, labels=labels)

@@ -34,6 +34,7 @@ from .state import (
     call_update,
     check_matches,
     check_ours,
+    eval_shape,
     flatten_transfers,
     shapes,
     trainable,
@@ -45,7 +46,7 @@ def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
     `add_decayed_weights`, or arithmetic on `None`) when a transformation that needs them
     is given `params=None`."""
     try:
-        jax.eval_shape(lambda g, s: call_update(inner, g, s, None, extra_args), grads, state)
+        eval_shape(lambda g, s: call_update(inner, g, s, None, extra_args), grads, state)
     except (ValueError, TypeError, AttributeError):
         return True
     return False
@@ -118,7 +119,8 @@ class HostUpdate:
             def full():
                 return call_update(tx, grads, inner_state, params, extra_args)
 
-            return when_ready(ready, full, lambda shapes: (zeros(shapes[0]), inner_state))
+            labels = ("updates", "opt_state.inner.state")
+            return when_ready(ready, full, lambda shapes: (zeros(shapes[0]), inner_state), labels)
 
         new_updates, new_inner = on_host(
             update,
@@ -161,7 +163,10 @@ class HostUpdate:
                 )
                 return new_host, others, new_inner
 
-            return when_ready(ready, full, lambda shapes: (host, zeros(shapes[1]), inner_state))
+            labels = ("params", "updates", "opt_state.inner.state")
+            return when_ready(
+                ready, full, lambda shapes: (host, zeros(shapes[1]), inner_state), labels
+            )
 
         new_host, others, new_inner = on_host(
             update,
@@ -213,7 +218,7 @@ class HostUpdate:
         check_ours(state, streamed=self.streamed, name=NAME)
         grads = trainable(updates)
         inner = self.inner
-        check_matches(type(state)(jax.eval_shape(inner.init, shapes(grads))), state, name=NAME)
+        check_matches(type(state)(eval_shape(inner.init, shapes(grads))), state, name=NAME)
         needs_params = reads_params(inner, grads, state.inner, extra_args)
         if needs_params and params is None:
             raise ValueError(

@@ -26,6 +26,7 @@ from .state import (
     check_matches,
     check_ours,
     declared_update,
+    eval_shape,
     host_mask,
     init_in_place,
     on_device,
@@ -156,7 +157,7 @@ def _whole_state(
     def update_fn(updates, state, params=None, **extra_args):
         check_ours(state, streamed=False, name=NAME)
         updates = trainable(updates)
-        check_matches(type(state)(jax.eval_shape(inner.init, shapes(updates))), state, name=NAME)
+        check_matches(type(state)(eval_shape(inner.init, shapes(updates))), state, name=NAME)
         mask = host_mask(state.inner)
         # Fetched in this order (state, gradients, parameters): the audit lists transfers
         # in program order, and the README's table shows it.
@@ -224,7 +225,10 @@ def offload_optimizer(
         evaluation, at the end of training). Not with a stream.
 
     Only floating-point array leaves are optimized: integer, boolean and non-array leaves
-    get no state and a `None` update (`ox.apply_updates` leaves them unchanged).
+    get no state and a `None` update (`ox.apply_updates` leaves them unchanged). Python
+    values in the transformation's own state (an int, a string its update branches on)
+    are static, as under `ox.filter_jit`: they pass through `init` and `update` as they
+    are, and only the state's arrays are placed.
 
     **Returns:** an `optax.GradientTransformationExtraArgs` whose `init(params)` writes the
     state into its memory, sharded like the parameters (scalars on the device), and whose

@@ -108,6 +108,74 @@ def call_update(
     return transform.update(updates, state, params)
 
 
+# -- Python values in a state -------------------------------------------------------------
+# A transformation's state may hold Python values (an int, a string its update branches
+# on). They are static, as any non-array leaf under `ox.filter_jit`: they cross none of
+# JAX's boundaries (a jit's results, a `cond`'s or a loop's operands and results), which
+# only its arrays cross; the values themselves pass through as they are.
+
+_VALUE_CHANGES = (
+    "{name}: `{path}` is the Python value {new!r} after an update and {old!r} "
+    "{without}. Which of the two a step returns is decided at run "
+    "time, so a value that an update changes must be an array: make it one in `init` "
+    "(`jnp.asarray({old!r})`), or keep the value fixed."
+)
+
+
+def eval_shape(fn: Callable[..., Any], *args: Any) -> Any:
+    """`jax.eval_shape` for trees holding Python values too (passed in and returned as
+    they are)."""
+    return eqx.filter_eval_shape(fn, *args)
+
+
+def cond(
+    pred: Any,
+    true_fn: Callable,
+    false_fn: Callable,
+    *operands: Any,
+    without: str | None,
+    labels: tuple[str, ...] = (),
+) -> Any:
+    """`jax.lax.cond` whose operands and results may hold Python values, which must be
+    the same whichever branch runs. For the error naming a value that differs:
+    `without` says what the false branch is, `labels` names each of the results.
+    `without=None`: the false branch is never taken, and the true branch's values are
+    the results' (unchecked)."""
+    arrays, values = eqx.partition(operands, eqx.is_array)
+    results: list = []
+
+    def branch(fn: Callable) -> Callable:
+        def run(arrays: Any) -> Any:
+            out_arrays, out_values = eqx.partition(fn(*eqx.combine(arrays, values)), eqx.is_array)
+            results.append(out_values)
+            return out_arrays
+
+        return run
+
+    try:
+        out = jax.lax.cond(pred, branch(true_fn), branch(false_fn), arrays)
+        failure = None
+    except TypeError as error:  # branches of other structures: values that differ?
+        failure = error
+    if without is not None and len(results) == 2:
+        _check_same_values(*results, without=without, labels=labels)
+    if failure is not None:
+        raise failure
+    return eqx.combine(out, results[0])
+
+
+def _check_same_values(new: Any, old: Any, *, without: str, labels: tuple[str, ...]) -> None:
+    is_none = lambda x: x is None  # noqa: E731
+    new_leaves = jax.tree_util.tree_flatten_with_path(new, is_leaf=is_none)[0]
+    old_leaves = jax.tree_util.tree_leaves(old, is_leaf=is_none)
+    for (path, a), b in zip(new_leaves, old_leaves):
+        if not (a is None and b is None) and (type(a) is not type(b) or a != b):
+            where = labels[getattr(path[0], "idx", 0)] + jax.tree_util.keystr(path[1:])
+            raise ValueError(
+                _VALUE_CHANGES.format(name=NAME, path=where, new=a, old=b, without=without)
+            )
+
+
 # -- where the state lives ----------------------------------------------------------------
 
 
@@ -166,7 +234,15 @@ def init_in_place(init_on_device: Callable[[Any], Any], params: Any) -> Any:
 
     if traced:
         return init_placed(params)
-    return jax.jit(init_placed, out_shardings=placement.tree_shardings(1))(params)
+    # Only the array leaves come out of the jit: a transformation's state may hold Python
+    # values (an int, a string its update branches on), which pass through as they are.
+    # (`tree_shardings` is None at them, as `eqx.filter` leaves them.)
+    others = eqx.filter(abstract, is_array_leaf, inverse=True)
+    placed = jax.jit(
+        lambda p: eqx.filter(init_placed(p), is_array_leaf),
+        out_shardings=placement.tree_shardings(1),
+    )
+    return eqx.combine(placed(params), others)
 
 
 def flatten_transfers() -> bool:

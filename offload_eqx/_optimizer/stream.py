@@ -53,6 +53,8 @@ from .state import (
     call_update,
     check_matches,
     check_ours,
+    cond,
+    eval_shape,
     host_mask,
     init_in_place,
     on_device,
@@ -167,11 +169,16 @@ class StreamedUpdate:
         """
         tx = self.tx
         state_leaves, state_def = jax.tree_util.tree_flatten(leaf_state)
-        sliced = [np.ndim(x) > 0 for x in state_leaves]
-        update_shape = jax.eval_shape(
+        # Python values (an int, a string) are not carried: every iteration reads the old
+        # ones and computes the same new ones, which the trace of the body records.
+        value = [not eqx.is_array(x) for x in state_leaves]
+        sliced = [not v and np.ndim(x) > 0 for x, v in zip(state_leaves, value)]
+        update_shape = eval_shape(
             lambda g, s, p: call_update(tx, g, s, p, extra_args)[0],
             _slice_shape(grad),
-            jax.tree_util.tree_map(lambda x: _slice_shape(x) if np.ndim(x) else x, leaf_state),
+            jax.tree_util.tree_map(
+                lambda x: _slice_shape(x) if eqx.is_array(x) and np.ndim(x) else x, leaf_state
+            ),
             None if param is None else _slice_shape(param),
         )
         if apply:
@@ -185,6 +192,7 @@ class StreamedUpdate:
         # Scalar leaves (the old ones, on the device) are shared by every slice.
         scalars_in = [x if s else to_device(x) for x, s in zip(state_leaves, sliced)]
         reuse = out is grad  # the updates overwrite the gradient: read it from the carry
+        new_values: list = []
 
         def body(i, carry):
             out, buffers, _ = carry
@@ -207,25 +215,30 @@ class StreamedUpdate:
             out = _write(out, result, i)
             old = iter(buffers)
             buffers = [_write(next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
-            scalars = [x for x, s in zip(new_leaves, sliced) if not s]
+            scalars = [x for x, s, v in zip(new_leaves, sliced, value) if not (s or v)]
+            new_values[:] = [x for x, v in zip(new_leaves, value) if v]
             return out, buffers, scalars
 
         buffers = [x for x, s in zip(state_leaves, sliced) if s]
-        scalars = [x for x, s in zip(scalars_in, sliced) if not s]
+        scalars = [x for x, s, v in zip(scalars_in, sliced, value) if not (s or v)]
         out, buffers, scalars = jax.lax.fori_loop(
             0, np.shape(grad)[0], body, (out, buffers, scalars)
         )
-        new_buffers, new_scalars = iter(buffers), iter(scalars)
+        new_buffers, new_scalars, values = iter(buffers), iter(scalars), iter(new_values)
         new_leaves = [
-            next(new_buffers) if s else restore_memory(is_host_typed(x), next(new_scalars))
-            for x, s in zip(state_leaves, sliced)
+            next(new_buffers)
+            if s
+            else next(values)
+            if v
+            else restore_memory(is_host_typed(x), next(new_scalars))
+            for x, s, v in zip(state_leaves, sliced, value)
         ]
         return out, jax.tree_util.tree_unflatten(state_def, new_leaves)
 
     # -- all leaves ------------------------------------------------------------------------
 
     def _expected_state(self, grads: Any) -> Any:
-        return jax.eval_shape(
+        return eval_shape(
             lambda g: StreamState(
                 global_state=self.global_tx.init(g),
                 leaves=jax.tree_util.tree_map(self.tx.init, g),
@@ -345,7 +358,8 @@ class StreamedUpdate:
             out, new_state = compute(grad, leaf_state, param, extra_args, apply)
             # A device value computed after the leaf's update, for the next gate (the
             # results may all be host-typed); opaque, so not folded to a constant.
-            done, _ = jax.lax.optimization_barrier((jnp.asarray(True), (out, new_state)))
+            computed = eqx.filter((out, new_state), eqx.is_array)  # not its Python values
+            done, _ = jax.lax.optimization_barrier((jnp.asarray(True), computed))
             return out, new_state, done
 
         if streamed:
@@ -356,14 +370,14 @@ class StreamedUpdate:
             # with `update_and_apply`).
             return run(grad, leaf_state, param)
 
-        out_shape = jax.eval_shape(run, grad, leaf_state, param)
+        out_shape = eval_shape(run, grad, leaf_state, param)
 
         def skip(grad, leaf_state, param):
             # Never taken (the predicate is always true); same types as `run`.
             out = param if apply else _zeros_like(out_shape[0])
             return out, leaf_state, jnp.asarray(False)
 
-        return jax.lax.cond(_gate(token), run, skip, grad, leaf_state, param)
+        return cond(_gate(token), run, skip, grad, leaf_state, param, without=None)
 
 
 def stream_init(

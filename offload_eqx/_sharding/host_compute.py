@@ -32,6 +32,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
 from jax.core import ShapedArray, Tracer, eval_jaxpr
@@ -177,7 +178,8 @@ def on_host(
     name: str = "host computation",
     labels: tuple[tuple[str, str], ...] = (),
 ) -> Any:
-    """`fn(*args)` computed on the host; every result is host-typed.
+    """`fn(*args)` computed on the host; every array result is host-typed, and Python
+    values among the results (an optimizer state's int or string) come back as they are.
 
     `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
     is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
@@ -207,9 +209,16 @@ def on_host(
             x = x.reshape(-1)  # in host memory: a host-typed gradient keeps its layout
         sent.append(x)
 
+    # Python values among the results (an optimizer state's int or string) are not the
+    # computation's: they come back as `fn` returned them.
+    values: list = []
+
     def flat_fn(*flat):
         restored = [x.reshape(shape) for x, shape in zip(flat, shapes)]
-        return fn(*eqx.combine(jax.tree_util.tree_unflatten(treedef, restored), static))
+        out = fn(*eqx.combine(jax.tree_util.tree_unflatten(treedef, restored), static))
+        arrays, out_values = eqx.partition(out, eqx.is_array)
+        values.append(out_values)
+        return arrays
 
     with _host_context(HOST):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
@@ -230,7 +239,8 @@ def on_host(
             out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
             compiler_options_json=None,
         )
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return eqx.combine(arrays, values[0])
 
 
 def _nbytes(x: Any) -> int:
@@ -256,6 +266,7 @@ def on_host_if_cheap(
     consts = closed.consts
 
     def run(*kept: Any) -> list:
-        return eval_jaxpr(jaxpr, consts, *kept)
+        # A literal result (a constant flag) evaluates to a Python scalar: an array here.
+        return [jnp.asarray(x) for x in eval_jaxpr(jaxpr, consts, *kept)]
 
     return on_host(run, *read, name=name, flatten=flatten)
