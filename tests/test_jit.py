@@ -1,5 +1,7 @@
 """`ox.filter_jit`: eqx.filter_jit semantics plus shardings, donation and a compile cache."""
 
+import gc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -169,3 +171,22 @@ def test_a_called_step_deepcopies_and_pickles_and_the_copy_runs():
 
 def sum_of_squares(x):
     return jnp.sum(x**2)
+
+
+def test_a_fresh_audited_wrapper_is_not_judged_by_a_collected_one_of_the_same_id():
+    """`ox.filter_jit(f, audit=True)` made afresh per call, each with its own static
+    value, as `eqx.filter_jit(f)` is used in a loop: what a wrapper compiled goes with
+    it, so a new wrapper that Python gives a collected one's `id` is not refused as a
+    change of that one's static arguments (a flake of the third-party sampler tests)."""
+
+    def f(x, kind):
+        return x * (2.0 if kind.startswith("a") else 3.0)
+
+    x = jnp.ones(3)
+    for i in range(20):
+        step = ox.filter_jit(f, audit=True)
+        assert float(step(x, f"{'ab'[i % 2]}{i}")[0]) == (2.0 if i % 2 == 0 else 3.0)
+        cache = step.cache
+        del step
+        gc.collect()
+        assert cache.compiled_by == {}  # nothing a later wrapper of this id would inherit

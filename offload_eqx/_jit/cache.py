@@ -36,8 +36,19 @@ class Cache:
         self.entries: dict[Any, Any] = {}
         # The outputs of the latest call that donated its inputs (see `last_outputs`).
         self.last_outputs: Any = None
-        # The keys each wrapper (by id) compiled, for `audit=True`'s changed-static check.
+        # The keys each live wrapper (by id) compiled, for `audit=True`'s changed-static
+        # check; see `keys_of`.
         self.compiled_by: dict[int, list] = {}
+
+    def keys_of(self, wrapper: Any) -> list:
+        """The keys `wrapper` compiled. A wrapper's entry goes with it: a wrapper made
+        afresh (`ox.filter_jit(f)` in a loop) may get a collected one's `id`, and its
+        first program is not a recompilation of that one's."""
+        key = id(wrapper)
+        if key not in self.compiled_by:
+            self.compiled_by[key] = []
+            weakref.finalize(wrapper, self.compiled_by.pop, key, None)
+        return self.compiled_by[key]
 
     def __copy__(self) -> "Cache":
         return self

@@ -189,7 +189,7 @@ class FilterJit(eqx.Module):
         entries = self.cache.entries
         # What this wrapper compiled before (the cache is shared by every wrapper of the
         # function: another wrapper's configuration is not a change of this one's).
-        mine = self.cache.compiled_by.setdefault(id(self), [])
+        mine = self.cache.keys_of(self)
         similar = [k for k in mine if k[:2] == key[:2] and k != key]
         mine.append(key)
         changed = ""
