@@ -106,6 +106,25 @@ def test_matches_plain_optax_under_every_strategy(name, strategy):
         assert leaf.sharding.memory_kind == (leaf_plan.memory or "device"), leaf_plan.path
 
 
+def test_the_optimizer_guide_states_where_each_preset_runs_the_update():
+    # Issue 37, item 17: one page said `update_on="host"` keeps all the state on the host,
+    # another that a strategy overrides it. The guide's table follows the plan's rule.
+    import pathlib
+
+    guide = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "optimizer.md"
+    table = guide.read_text().split("### Who decides where the update runs")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    on_device = next(r for r in rows if r.startswith("| keeps the optimizer state on the device"))
+    declared = next(r for r in rows if r.startswith("| any other"))
+    for name, strategy in ox.STRATEGIES.items():
+        row = on_device if strategy.update_of("host") == "device" else declared
+        assert f'`"{name}"`' in row, name
+    # First: a strategy's own `update=` decides for every optimizer.
+    assert rows[1].startswith('| `ox.Strategy(..., update="host")` or `update="device"`')
+    assert ox.Strategy("s", "device", "device", update="device").update_of("host") == "device"
+    assert ox.Strategy("s", optimizer="pinned_host", update="host").update_of("device") == "host"
+
+
 @pytest.mark.parametrize("strategy", ["offload_optimizer", "hybrid"])
 def test_update_then_apply_updates_matches_update_and_apply(strategy):
     opt = ox.offload_optimizer(CHAINS["clip_adamw"](), update_on="host")

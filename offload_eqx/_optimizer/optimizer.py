@@ -184,7 +184,8 @@ def offload_optimizer(
     check: bool = True,
     delay: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Wrap an optax transformation so that its state lives in `memory` between steps.
+    """Wrap an optax transformation so that its state lives in `memory` between steps
+    (and is updated where `update_on` says), unless the step's strategy places it.
 
     **Arguments:**
 
@@ -199,8 +200,13 @@ def offload_optimizer(
           never fetched; the gradients are sent to the host once, the updates come back
           once for parameters on the device (for host-resident parameters
           `ox.apply_updates` adds them on the host: only the gradients move). Targets
-          that cannot run it (XLA:TPU) are refused when the step is compiled. A
-          strategy's `update=` overrides it.
+          that cannot run it (XLA:TPU) are refused when the step is compiled.
+
+        A declaration, as `ox.field(memory=...)` is: the step's strategy has the last
+        word. `ox.Strategy(update="host" | "device")` decides for every optimizer; a
+        strategy that keeps the optimizer state on the device (`"baseline"`, `"remat"`,
+        `"offload_activations"`, `"offload_params"`, `optimizer="device"`) updates on the
+        device; any other (`"annotated"`, `"offload_optimizer"`, `"hybrid"`) as declared.
     - `stream`: how a device update fetches the state.
         - `None` (default): the whole state at once, for `optax.chain(global_transform,
           tx)`; XLA schedules the copies (the whole state is on the device together).

@@ -41,7 +41,9 @@ class DeviceState(eqx.Module):
 
 class HostUpdatedState(eqx.Module):
     """The state of `ox.offload_optimizer(update_on="host")`: all of it (scalars too) in
-    `pinned_host`, read and written by the host computation and never fetched."""
+    `pinned_host`, read and written by the host computation and never fetched, under
+    every strategy that leaves the update where it is declared (`Strategy.update_of`:
+    not one that keeps the optimizer state on the device)."""
 
     inner: Any = eqx.field(metadata=_METADATA_HOST_UPDATE)
 
