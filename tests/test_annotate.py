@@ -1,6 +1,9 @@
 """`ox.annotate` on the modules users do not write: every `eqx.nn` module, whatever
 non-array fields it has, and lists of blocks (issue 17, items 1 and 2)."""
 
+import copy
+import pickle
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -371,3 +374,31 @@ def test_trees_built_before_annotating_fail_loudly_and_the_documented_fixes_map(
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, _ = tx.update(params, tx.init(params), params)
         assert ox.plan(eqx.apply_updates(model, updates)) == ox.plan(model)
+
+
+class Stack(eqx.Module):
+    """A list of blocks, importable by name (pickle finds the plain class so)."""
+
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_an_annotated_model_pickles_and_deepcopies_into_its_annotated_classes():
+    """An annotated module's class is made by `ox.annotate`, so pickle cannot find it by
+    name: it pickles by what it was made from, and comes back annotated (same class,
+    same placements), its values equal, and trains as the original does."""
+
+    net = Stack([eqx.nn.Linear(4, 4, key=jax.random.key(i)) for i in range(2)])
+    model = ox.place(ox.annotate(net, lambda m: m.layers[0], memory="pinned_host"))
+    step = ox.filter_jit(lambda m, x: jax.vmap(m)(x).sum())
+    x = jnp.ones((3, 4))
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert type(copied.layers[0]) is type(model.layers[0])
+        assert jax.tree.structure(copied) == jax.tree.structure(model)
+        for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(model)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert float(step(ox.place(copied), x)) == float(step(model, x))

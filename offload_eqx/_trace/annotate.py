@@ -131,6 +131,9 @@ def _annotated_class(
     if region and fields:
         namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
         namespace[REGION_ATTRIBUTE] = True
+    # Pickled by what it was made from: the class itself is made here, so pickle cannot
+    # find it by name (a copy or a checkpoint of an annotated model would fail).
+    namespace["__reduce__"] = lambda self: (_rebuild, (key, _field_values(self)))
     subclass = type(cls.__name__, (cls,), namespace)
     # The node type of the annotated module differs from the plain one's, so a tree built
     # from the plain model does not map over it: JAX's error names both types, which
@@ -139,6 +142,20 @@ def _annotated_class(
     subclass.__qualname__ = cls.__qualname__ + ("" if cls.__qualname__.endswith(suffix) else suffix)
     _SUBCLASSES[key] = subclass
     return subclass
+
+
+def _field_values(module: eqx.Module) -> dict[str, Any]:
+    return {
+        f.name: vars(module)[f.name] for f in dataclasses.fields(module) if f.name in vars(module)
+    }
+
+
+def _rebuild(key: tuple, values: dict[str, Any]) -> eqx.Module:
+    """An annotated module from its annotation and field values (see `__reduce__`)."""
+    new = object.__new__(_annotated_class(*key))
+    for name, value in values.items():
+        object.__setattr__(new, name, value)
+    return new
 
 
 def region_class(cls: type) -> type:
