@@ -376,7 +376,7 @@ def test_trees_built_before_annotating_fail_loudly_and_the_documented_fixes_map(
         assert ox.plan(eqx.apply_updates(model, updates)) == ox.plan(model)
 
 
-class Stack(eqx.Module):
+class LinearList(eqx.Module):
     """A list of blocks, importable by name (pickle finds the plain class so)."""
 
     layers: list
@@ -392,7 +392,7 @@ def test_an_annotated_model_pickles_and_deepcopies_into_its_annotated_classes():
     name: it pickles by what it was made from, and comes back annotated (same class,
     same placements), its values equal, and trains as the original does."""
 
-    net = Stack([eqx.nn.Linear(4, 4, key=jax.random.key(i)) for i in range(2)])
+    net = LinearList([eqx.nn.Linear(4, 4, key=jax.random.key(i)) for i in range(2)])
     model = ox.place(ox.annotate(net, lambda m: m.layers[0], memory="pinned_host"))
     step = ox.filter_jit(lambda m, x: jax.vmap(m)(x).sum())
     x = jnp.ones((3, 4))
