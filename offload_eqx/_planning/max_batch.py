@@ -28,6 +28,7 @@ from .._inspect.memory_report import MemoryReport, memory_report
 from .._jit.aot import refuse_ahead_of_time
 from .._jit.jit import FilterJit, filter_jit
 from .._plan.plan import Plan
+from .._targets.devices import require_compiler
 from .._targets.targets import Target, get_target
 
 # A batch this large that still fits means memory hardly grows with the batch (a peak set
@@ -248,6 +249,7 @@ def max_batch(
     """
     refuse_ahead_of_time(step, "ox.max_batch")
     resolved = get_target(target)
+    require_compiler(resolved)  # a missing extra, before any trace
     budget = resolved.capacity if device_budget is None else device_budget
     if budget is None:
         raise ValueError(_NO_CAPACITY.format(target=resolved.name))

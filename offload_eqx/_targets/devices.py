@@ -23,6 +23,14 @@ _MISSING_EXTRA = (
     "extra: 'cpu'."
 )
 
+_MISSING_LIBRARY = (
+    "Target {target!r} compiles with XLA:GPU, which needs cuDNN to compile the kernels JAX "
+    "calls through it (`jax.nn.dot_product_attention(..., implementation='cudnn')`, "
+    "convolutions), and cuDNN could not be loaded ({error}). The optional extra 'cuda' "
+    "installs it (`nvidia-cudnn-cu12`, pinned): `pip install 'offload_eqx[cuda]'`, or "
+    "choose a target that needs nothing extra: 'cpu'."
+)
+
 _NO_PLATFORM = (
     "Target {target!r} needs jax's platform {platform!r}, which could not create "
     "compile-only devices: {error}. Set `JAX_PLATFORMS=cpu` before importing jax (the CUDA "
@@ -32,7 +40,8 @@ _NO_PLATFORM = (
 
 
 def require_extra(target: Target) -> None:
-    """Raise a clear error when the optional extra that `target` needs is not installed."""
+    """Raise a clear error when the optional extra that `target` needs is not installed,
+    or (for a GPU) not whole: before any trace or compile."""
     if target.platform not in _EXTRAS:
         return
     module, extra = _EXTRAS[target.platform]
@@ -45,6 +54,33 @@ def require_extra(target: Target) -> None:
                 target=target.name, compiler=compiler, extra=extra, module=module, error=e
             )
         ) from None
+    if target.platform == "cuda":
+        problem = _cudnn_problem()
+        if problem is not None:
+            raise ImportError(_MISSING_LIBRARY.format(target=target.name, error=problem))
+
+
+def require_compiler(target: Target) -> None:
+    """Raise before any trace when `target`'s compiler cannot run here: its chip is not
+    attached and the extra that compiles for it without one is missing or not whole."""
+    if _attached(target) is None:
+        require_extra(target)
+
+
+def _cudnn_problem() -> str | None:
+    """Why cuDNN cannot be loaded (jax says "cuDNN not found." when tracing a cuDNN
+    kernel without it), or None when it loads or jax gives no way to ask."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # private API: without it, the trace says what is missing
+        return None
+    if cuda_versions is None:
+        return "jax loaded no CUDA plugin"
+    try:
+        cuda_versions.cudnn_get_version()
+    except RuntimeError as e:
+        return str(e).strip().rstrip(".")
+    return None
 
 
 def _config_text(target: Target) -> str:
