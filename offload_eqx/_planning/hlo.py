@@ -266,6 +266,29 @@ def parse_instruction(line: str) -> tuple[Instruction, bool] | None:
     return instruction, root
 
 
+def _depth(line: str) -> int:
+    """Brackets a line opens and does not close."""
+    return sum(line.count(c) for c in "({[") - sum(line.count(c) for c in ")}]")
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The text's lines, an instruction printed over several lines joined into one: XLA:TPU
+    prints a Pallas kernel's `kernel_metadata` attribute with line breaks inside it."""
+    pending, depth = "", 0
+    for line in text.splitlines():
+        if pending:
+            pending, depth = f"{pending} {line.strip()}", depth + _depth(line)
+            if depth <= 0:
+                yield pending
+                pending = ""
+        elif _LINE.match(line) and _depth(line) > 0:
+            pending, depth = line, _depth(line)
+        else:
+            yield line
+    if pending:
+        yield pending
+
+
 def parse_module(text: str) -> Module:
     """Read `compiled.as_text()` (or an HLO dump's text) into a `Module`."""
     first = text.lstrip().split("\n", 1)[0]
@@ -273,7 +296,7 @@ def parse_module(text: str) -> Module:
     computations: dict[str, Computation] = {}
     entry = ""
     current: tuple[str, bool, list[Instruction], list[str]] | None = None
-    for line in text.splitlines():
+    for line in _lines(text):
         if current is None:
             header = _HEADER.match(line)
             if header:
