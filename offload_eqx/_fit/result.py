@@ -24,6 +24,11 @@ _UNTRIED = (
     "`max_compiles`."
 )
 _LEAST = " The least device memory measured was {least} ({host} on the host), by {plan}."
+_UNPRICED = (
+    "The step calls {count} kernel{s} no rule prices: {kernels}. Each is priced by the bytes "
+    "it reads and writes alone, its FLOPs not counted, so every plan's time leaves that "
+    "work out (a Pallas kernel is priced by the `pl.CostEstimate` it declares)."
+)
 _CRASHED = (
     " {count} more plans were not compiled because plans of the same placement crashed "
     "the compiler (listed below): a compiler limit, not a memory one; another target or "
@@ -42,7 +47,8 @@ class FitResult:
         search ordered and pruned candidates by, the `ms` column of `table()`).
     - `candidates`: every `ox.Candidate` considered, in the order the search met them.
     - `traces`, `compiles`, `seconds_searching`: what the search cost.
-    - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails).
+    - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails),
+        and the kernels no rule prices when the step calls any.
 
     `table()` prints the chosen plan, the notes and the candidates; `to_dict()` for JSON.
     """
@@ -171,6 +177,11 @@ def result_of(search: Search, notes: list[str], started: float) -> FitResult:
     ]
     assert chosen.simulation is not None
     chosen = with_simulation(chosen, chosen.simulation)
+    unpriced = chosen.unpriced
+    if unpriced:
+        kernels = "; ".join(unpriced[:3]) + ("; ..." if len(unpriced) > 3 else "")
+        s = "" if len(unpriced) == 1 else "s"
+        notes = [*notes, _UNPRICED.format(count=len(unpriced), s=s, kernels=kernels)]
     return FitResult(
         strategy=choice.strategy(search.fixed),
         estimate=chosen,

@@ -303,7 +303,7 @@ class Search:
             exact,
             device_bytes=device,
             host_bytes=host,
-            simulation=simulate_compiled(compiled, report, self.speeds),
+            simulation=simulate_compiled(compiled, report, self.speeds, costs),
         )
         exact_key = key_of(exact.seconds, load_of(costs))
         self.fitting[choice] = (exact_key, simulated)

@@ -1,5 +1,7 @@
 """How fast a plan runs and how large a batch fits, in the order the data flows:
 
+- `fused`: the table of fused kernels (cuDNN and splash attention, Pallas kernels' cost
+  estimates), one rule per kind, read by the jaxpr count and the simulation alike;
 - `flops`, `traced_time`: the work of a traced step per phase and the jaxpr count's
   time model (before any compile: what `ox.fit` orders candidates by);
 - `hlo`, `kernels`, `events`, `schedule`, `timeline`: the compiled program read from its

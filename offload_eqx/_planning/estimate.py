@@ -24,6 +24,7 @@ from .._inspect.memory_report import compiled_report
 from .._jit.jit import FilterJit, step_of
 from .._sharding.host_compute import check_host_compute
 from .._targets.deviceless import program_of_step
+from .._targets.devices import require_compiler
 from .._targets.targets import Speeds, Target, get_target
 from .events import RESOURCES, Simulation
 from .schedule import simulate
@@ -46,8 +47,9 @@ class StepEstimate:
 
     - `name`, `strategy`, `target`: the step's name, the strategy it was planned under
         and the target's name.
-    - `flops`: every matmul and convolution FLOP the step runs (recomputation
-        included; `recompute_flops` is that part).
+    - `flops`: every matmul and convolution FLOP the step runs, and those of its fused
+        kernels (cuDNN attention, splash attention, a Pallas kernel's declared cost
+        estimate), recomputation included (`recompute_flops` is that part).
     - `h2d_bytes`, `d2h_bytes`: what crosses the host link per step, each way.
     - `device_bytes`, `host_bytes`: the compiled memory (None when not compiled).
     - `seconds`: the predicted step time: the compiled program's schedule simulated
@@ -63,7 +65,7 @@ class StepEstimate:
     - `speeds`: the `ox.Speeds` it was priced with; `capacity`: the target's device
         memory (None: unknown).
     - `notes`: `(phase, note)` pairs for what the counts leave out (a while loop is
-        counted once).
+        counted once, a kernel no rule prices: `unpriced`).
 
     `print` it for a table; `to_dict()` for JSON.
     """
@@ -88,6 +90,16 @@ class StepEstimate:
     simulation: Simulation | None = dataclasses.field(default=None, repr=False, compare=False)
     # The trace the jaxpr count priced, to price again (`with_speeds`).
     costs: Costs | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def unpriced(self) -> tuple[str, ...]:
+        """The kernels no rule prices (a custom call or Pallas kernel without a cost
+        estimate, an FFI call), each priced by its bytes alone, its FLOPs not counted:
+        the compiled instructions where the simulation met any, else what the jaxpr count
+        met (a Pallas kernel in interpret mode compiles to ordinary instructions)."""
+        if self.simulation is not None and self.simulation.unpriced:
+            return tuple(f"{name}: {what}" for name, what, _ in self.simulation.unpriced)
+        return tuple(what for what, _ in (self.costs.unpriced if self.costs else ()))
 
     @property
     def model(self) -> str:
@@ -121,7 +133,8 @@ class StepEstimate:
         if self.simulation is None or self.simulation.program is None:
             return dataclasses.replace(repriced, simulation=None)
         program, temp = self.simulation.program, self.simulation.temp_bytes
-        return with_simulation(repriced, simulate(program, speeds, temp))
+        kernels = self.simulation.kernel_table
+        return with_simulation(repriced, simulate(program, speeds, temp, kernels))
 
     def timeline(self, path: str) -> str:
         """Write the simulated step as Chrome trace-event JSON (open it in Perfetto,
@@ -258,7 +271,7 @@ def estimate_from(
         name = getattr(step, "__name__", None) or type(step.fn).__name__
         report, compiled = compiled_report(program_of_step(step, args, dict(kwargs)), target, name)
         device, host = report.total, report.host_total
-        simulation = simulate_compiled(compiled, report, speeds)
+        simulation = simulate_compiled(compiled, report, speeds, costs)
         seconds, phases = simulation.seconds, simulated_phases(simulation)
     return StepEstimate(
         name=getattr(step, "__name__", None) or type(step.fn).__name__,
@@ -290,10 +303,14 @@ def _short(op_name: str, width: int = 60) -> str:
     return ("…/" if parts else "") + "/".join(kept or [op_name[-width:]])
 
 
-def simulate_compiled(compiled: Any, report: Any, speeds: Speeds) -> Simulation:
+def simulate_compiled(
+    compiled: Any, report: Any, speeds: Speeds, costs: Costs | None = None
+) -> Simulation:
     """The schedule of a compiled program (`jax.stages.Compiled`) simulated, its
-    temporary buffer (from its memory report) first touched where that is priced."""
-    return simulate(compiled.as_text(), speeds, report.device.get("temp", 0))
+    temporary buffer (from its memory report) first touched where that is priced; its
+    Pallas kernels priced by what its trace (`costs`) says of them."""
+    kernels = costs.kernels if costs is not None else None
+    return simulate(compiled.as_text(), speeds, report.device.get("temp", 0), kernels)
 
 
 def with_simulation(estimate: StepEstimate, simulation: Simulation) -> StepEstimate:
@@ -333,6 +350,7 @@ def _summary(simulation: Simulation) -> dict[str, Any]:
         "waited": simulation.waited,
         "top": [list(t) for t in simulation.top],
         "notes": list(simulation.notes),
+        "unpriced": [list(u) for u in simulation.unpriced],
     }
 
 
@@ -367,7 +385,12 @@ def estimate(
 
     **Raises:** what `ox.audit` raises for a step that breaks its placement contract
     (the prediction would price a program that does not do what it declares);
-    `TypeError`, before any trace, for a `compile` that is not True or False.
+    `TypeError`, before any trace, for a `compile` that is not True or False;
+    `ImportError`, before any trace, when `compile=True` needs an extra that is missing
+    or not whole (a GPU target without cuDNN).
     """
     wrapper = step_of(step, "ox.estimate")
-    return estimate_from(wrapper, args, kwargs, get_target(target), compile=compile)
+    resolved = get_target(target)
+    if compile:
+        require_compiler(resolved)
+    return estimate_from(wrapper, args, kwargs, resolved, compile=compile)

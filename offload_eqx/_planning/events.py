@@ -16,8 +16,9 @@ class Event:
     - `start`, `end`: seconds from the step's start.
     - `phase`: `"forward"`, `"backward"` or `"update"`, from the instruction's `op_name`.
     - `op_name`: the instruction's metadata: where in the traced program it comes from.
-    - `flops`: its matmul and convolution FLOPs; `bytes`: what it moves (a copy engine's
-        bytes over the link; a kernel's bytes read and written).
+    - `flops`: its matmul and convolution FLOPs (a fused kernel's by its rule); `bytes`:
+        what it moves (a copy engine's bytes over the link; a kernel's bytes read and
+        written).
     """
 
     resource: str
@@ -38,12 +39,16 @@ class Simulation:
     - `busy`: seconds each resource works; `waited`: seconds the compute stream waits at
         a `-done` for each other resource (`exposed` is their sum).
     - `phase_seconds`, `phase_busy`: the same per phase (forward, backward, update).
-    - `flops`: the matmul and convolution FLOPs run, loops' trips included; `kernels`: the
-        kernels launched.
+    - `flops`: the matmul and convolution FLOPs run, and those of the fused kernels
+        (`fused.py`: cuDNN and splash attention, a Pallas kernel's declared cost
+        estimate), loops' trips included; `kernels`: the kernels launched.
     - `top`: the costliest instructions, `(name, op_name, resource, seconds)` over all
         their executions.
     - `events`: every `Event` in order (a loop's first 64 trips; `truncated` says when
         some were not kept); `notes`: what could not be priced, and why.
+    - `unpriced`: the kernels no rule prices (a custom call or Pallas kernel without a
+        cost estimate, an FFI call), `(instruction, what it is, bytes per execution)`:
+        each is priced by the bytes it reads and writes alone, its FLOPs not counted.
     """
 
     seconds: float
@@ -61,6 +66,9 @@ class Simulation:
     # temporary bytes first touched.
     program: Any = dataclasses.field(default=None, repr=False, compare=False)
     temp_bytes: int = 0
+    unpriced: tuple[tuple[str, str, float], ...] = ()
+    # What the traced program said of its Pallas kernels, to simulate again.
+    kernel_table: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def exposed(self) -> float:

@@ -21,6 +21,13 @@ once, so the work is counted here, from the program JAX traced, before XLA optim
   says how many were seen); every other nested program (jit, remat, custom_jvp/vjp) counts
   once. Dead equations are dropped first, as XLA would: under `jax.grad` of a whole
   `jax.checkpoint`-ed loss, the forward pass computes only the loss value nobody returns.
+- A fused kernel (`fused.py`: cuDNN attention, a Pallas call, an FFI call) costs what its
+  rule says: its matmul FLOPs (for cuDNN attention from its operands' shapes and its
+  mask; for a Pallas kernel the `pl.CostEstimate` it declares, or for splash attention
+  its block mask) and its bytes (declared, or its operands' and outputs'), at its own
+  efficiency where the rule gives one; a Pallas kernel's body (one block's program) is
+  not counted. A kernel no rule prices costs its bytes alone and is named in the
+  phase's `unpriced` and its note.
 - Shapes are the jaxpr's, so the counts are for the whole program, not per device: divide
   by the number of devices a sharded step runs on. A `shard_map` body, traced with
   per-device shapes, is counted once (one device's share).
@@ -49,7 +56,9 @@ import jax.extend as jex
 import numpy as np
 
 from .._base.primitives import STRUCTURAL, is_callback, phase_of
+from .._base.table import format_bytes
 from .._sharding.host_compute import DELAYED_SCOPE, is_host_computation
+from .fused import KernelCost, Key, eqn_cost, kernel_key, pallas_name
 
 PHASES = ("forward", "backward", "update")
 RECOMPUTE_SCOPE = "rematted_computation"
@@ -83,6 +92,9 @@ class PhaseWork:
     - `host_flops`, `host_bytes`, `host_seconds`: the same for equations under
       `compute_on("device_host")` (their bytes are the matmul and other bytes together).
     - `while_loops`: while loops seen, each body counted once (trip count unknown).
+    - `unpriced`: the kernels no rule prices, `(what it is, bytes)`: each costs the
+      bytes it reads and writes alone, its FLOPs not counted.
+    - `caveats`: what the price of a priced kernel leaves out (a mask not read).
     """
 
     flops: float = 0.0
@@ -94,20 +106,31 @@ class PhaseWork:
     host_bytes: float = 0.0
     host_seconds: float = 0.0
     while_loops: int = 0
+    unpriced: tuple[tuple[str, float], ...] = ()
+    caveats: tuple[str, ...] = ()
 
     @property
     def note(self) -> str:
-        """What the counts leave out, as a sentence ("" when nothing)."""
-        if not self.while_loops:
-            return ""
-        loops = "loop" if self.while_loops == 1 else "loops"
-        return (
-            f"{self.while_loops} while {loops} counted once each: the trip count is unknown "
-            "until run time, so the work inside is a lower bound."
-        )
+        """What the counts leave out, as sentences ("" when nothing)."""
+        notes = []
+        if self.while_loops:
+            loops = "loop" if self.while_loops == 1 else "loops"
+            notes.append(
+                f"{self.while_loops} while {loops} counted once each: the trip count is "
+                "unknown until run time, so the work inside is a lower bound."
+            )
+        notes += [
+            f"{what} is priced by the {format_bytes(int(moved))} it reads and writes alone: "
+            "its FLOPs are not counted."
+            for what, moved in self.unpriced
+        ]
+        return " ".join(notes + list(self.caveats))
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(PhaseWork))
+# The fields a phase's tally adds up (the others are gathered as they are met).
+_FIELDS = tuple(
+    f.name for f in dataclasses.fields(PhaseWork) if f.name not in ("unpriced", "caveats")
+)
 _RATE_ERROR = (
     "`count_work(..., {name}={value!r})`: a rate must be a positive number (flops or bytes "
     "per second), or None to leave that part of the roofline out."
@@ -120,6 +143,7 @@ class _Rates:
     byte: float | None
     host_flop: float | None
     host_byte: float | None
+    peak: float | None = None  # the chip's peak: a fused kernel's own efficiency applies to it
 
 
 def _time(flops: float, nbytes: float, flop_rate: float | None, byte_rate: float | None) -> float:
@@ -170,16 +194,46 @@ def _dce(jaxpr):
         return jaxpr
 
 
+def _value(var, values: dict) -> Any:
+    """A traced operand's concrete value, where the trace holds one (a literal, or a
+    constant the program closes over); None otherwise."""
+    if isinstance(var, jex.core.Literal):
+        return var.val
+    return values.get(var)
+
+
+def _inner_values(eqn, sub, values: dict) -> dict:
+    """The concrete values a nested program `sub` of `eqn` receives: its own constants,
+    and the known values of the operands passed to it in order (a `cond`'s after its
+    index)."""
+    inner = _open(sub)
+    known = dict(zip(inner.constvars, getattr(sub, "consts", ())))
+    outer = list(eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars)
+    if len(outer) == len(inner.invars):
+        for inner_var, outer_var in zip(inner.invars, outer):
+            value = _value(outer_var, values)
+            if value is not None:
+                known[inner_var] = value
+    return known
+
+
 class _Counter:
     def __init__(self, rates: _Rates):
         self.rates = rates
         self.work = {phase: dict.fromkeys(_FIELDS, 0.0) for phase in PHASES}
+        self.unpriced: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}
+        self.caveats: dict[str, list[str]] = {phase: [] for phase in PHASES}
+        self.table: dict[Key, KernelCost] = {}  # Pallas kernels by name and operand shapes
         self.saw_backward = False
 
     def add(self, other: "_Counter") -> None:
         for phase in PHASES:
             for name in _FIELDS:
                 self.work[phase][name] += other.work[phase][name]
+            for what, moved in other.unpriced[phase].items():
+                self.unpriced[phase][what] = self.unpriced[phase].get(what, 0.0) + moved
+            self.caveats[phase] += [c for c in other.caveats[phase] if c not in self.caveats[phase]]
+        self.table.update(other.table)
         self.saw_backward = self.saw_backward or other.saw_backward
 
     def cost(self) -> tuple[float, float]:
@@ -190,7 +244,10 @@ class _Counter:
         )
         return flops, nbytes
 
-    def walk(self, jaxpr, count: float, phase: str, host: bool, recompute: bool) -> None:
+    def walk(
+        self, jaxpr, count: float, phase: str, host: bool, recompute: bool, values=None
+    ) -> None:
+        values = values or {}
         seen_backward = False
         for eqn in jaxpr.eqns:
             stack = str(eqn.source_info.name_stack)
@@ -203,9 +260,12 @@ class _Counter:
                 eqn_phase = "backward"
             eqn_recompute = recompute or RECOMPUTE_SCOPE in stack
             prim = eqn.primitive.name
-            if prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
+            kernel = eqn_cost(eqn, lambda var: _value(var, values))
+            if kernel is not None:
+                self._kernel(eqn, kernel, count, eqn_phase, eqn_host, eqn_recompute)
+            elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 before = self.saw_backward
-                self._nested(eqn, count, eqn_phase, eqn_host, eqn_recompute)
+                self._nested(eqn, count, eqn_phase, eqn_host, eqn_recompute, values)
                 # A gradient computed inside a nested program: what follows is the update.
                 seen_backward = seen_backward or (self.saw_backward and not before)
             elif not (prim in _FREE or is_callback(prim)):
@@ -236,17 +296,53 @@ class _Counter:
             work["other_bytes"] += written * count
             work["seconds"] += _time(0.0, written * count, None, rates.byte)
 
-    def _nested(self, eqn, count: float, phase: str, host: bool, recompute: bool) -> None:
+    def _kernel(
+        self, eqn, kernel: KernelCost, count: float, phase: str, host: bool, recompute: bool
+    ) -> None:
+        """A fused kernel, priced by its rule (`fused.py`)."""
+        work, rates = self.work[phase], self.rates
+        moved = kernel.bytes
+        if moved is None:
+            moved = sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        flops, nbytes = kernel.flops * count, moved * count
+        if host:
+            work["host_flops"] += flops
+            work["host_bytes"] += nbytes
+            work["host_seconds"] += _time(flops, nbytes, rates.host_flop, rates.host_byte)
+        else:
+            own = kernel.efficiency and rates.peak
+            rate = rates.peak * kernel.efficiency if own else rates.flop  # type: ignore[operator]
+            work["flops"] += flops
+            work["recompute_flops"] += flops if recompute else 0.0
+            work["matmul_bytes"] += nbytes
+            work["seconds"] += _time(flops, nbytes, rate, rates.byte)
+        if not kernel.priced:
+            what = f"{kernel.kind} ({kernel.note})"
+            self.unpriced[phase][what] = self.unpriced[phase].get(what, 0.0) + nbytes
+        elif kernel.note and f"{kernel.kind}: {kernel.note}." not in self.caveats[phase]:
+            self.caveats[phase].append(f"{kernel.kind}: {kernel.note}.")
+        if eqn.primitive.name == "pallas_call":
+            shapes = [v.aval.shape for v in eqn.invars]
+            self.table[kernel_key(pallas_name(eqn.params), shapes)] = kernel
+
+    def _nested(
+        self, eqn, count: float, phase: str, host: bool, recompute: bool, values: dict
+    ) -> None:
         prim, params = eqn.primitive.name, eqn.params
+
+        def inner(sub):
+            return _inner_values(eqn, sub, values)
+
         if prim == "scan":
-            self.walk(_open(params["jaxpr"]), count * params["length"], phase, host, recompute)
+            sub = params["jaxpr"]
+            self.walk(_open(sub), count * params["length"], phase, host, recompute, inner(sub))
         elif prim == "cond":
             best: _Counter | None = None
             for branch in params["branches"]:
-                sub = _Counter(self.rates)
-                sub.walk(_open(branch), count, phase, host, recompute)
-                if best is None or sub.cost() > best.cost():
-                    best = sub
+                counter = _Counter(self.rates)
+                counter.walk(_open(branch), count, phase, host, recompute, inner(branch))
+                if best is None or counter.cost() > best.cost():
+                    best = counter
             if best is not None:
                 self.add(best)
         elif prim == "while":
@@ -255,7 +351,7 @@ class _Counter:
                 self.walk(_open(params[key]), count, phase, host, recompute)
         else:
             for sub in jex.core.jaxprs_in_params(params):
-                self.walk(_open(sub), count, phase, host, recompute)
+                self.walk(_open(sub), count, phase, host, recompute, inner(sub))
 
 
 def count_work(
@@ -265,14 +361,19 @@ def count_work(
     byte_rate: float | int | None = None,
     host_flop_rate: float | int | None = None,
     host_byte_rate: float | int | None = None,
+    peak_flop_rate: float | int | None = None,
+    constants: dict | None = None,
 ) -> dict[str, PhaseWork]:
     """The work of a traced program by phase: `{"forward", "backward", "update"}` -> `PhaseWork`.
 
     `jaxpr` is a `jax.extend.core.ClosedJaxpr` (from `jax.make_jaxpr` or
     `eqx.filter_make_jaxpr`) or a `Jaxpr`. The rates (flops or bytes per second, e.g.
     `flop_rate=989e12, byte_rate=3.35e12` for an H100's dense bf16 and HBM) give the
-    roofline `seconds`; the host rates give `host_seconds`. Every phase is present, zero
-    when the program has none of it.
+    roofline `seconds`; the host rates give `host_seconds`; `peak_flop_rate` (the chip's
+    peak) the rate of a fused kernel with its own efficiency (cuDNN attention), which
+    otherwise runs at `flop_rate`. `constants` maps constant variables of an open
+    `Jaxpr` to their values (a `ClosedJaxpr` brings its own). Every phase is present,
+    zero when the program has none of it.
 
     ```python
     closed, *_ = eqx.filter_make_jaxpr(train_step)(model, opt_state, batch)
@@ -285,11 +386,27 @@ def count_work(
         ("byte_rate", byte_rate),
         ("host_flop_rate", host_flop_rate),
         ("host_byte_rate", host_byte_rate),
+        ("peak_flop_rate", peak_flop_rate),
     ):
         if value is not None and not (isinstance(value, (int, float, np.floating)) and value > 0):
             raise ValueError(_RATE_ERROR.format(name=name, value=value))
-    given = (flop_rate, byte_rate, host_flop_rate, host_byte_rate)
+    given = (flop_rate, byte_rate, host_flop_rate, host_byte_rate, peak_flop_rate)
     rates = _Rates(*(None if value is None else float(value) for value in given))
+    counter = _walked(jaxpr, rates, constants)
+    return {
+        phase: _freeze(counter.work[phase], counter.unpriced[phase], counter.caveats[phase])
+        for phase in PHASES
+    }
+
+
+def kernel_table(jaxpr: Any, constants: dict | None = None) -> dict[Key, KernelCost]:
+    """What a traced program says of its Pallas kernels, by kernel name and operand shapes
+    (`fused.kernel_key`): the compiled simulation prices them by it (`schedule.simulate`),
+    as the compiled text carries no GPU kernel's cost estimate and no splash mask."""
+    return _walked(jaxpr, _Rates(None, None, None, None), constants).table
+
+
+def _walked(jaxpr: Any, rates: _Rates, constants: dict | None) -> _Counter:
     inner = _open(jaxpr)
     if not isinstance(inner, jex.core.Jaxpr):
         raise TypeError(
@@ -297,12 +414,14 @@ def count_work(
             f"`jax.make_jaxpr(f)(*args)` or `eqx.filter_make_jaxpr(f)(*args)[0]`); got "
             f"{type(jaxpr).__name__}."
         )
+    values = dict(constants or {})
+    values.update(zip(inner.constvars, getattr(jaxpr, "consts", ())))
     counter = _Counter(rates)
-    counter.walk(_dce(inner), 1.0, "forward", False, False)
-    return {phase: _freeze(counter.work[phase]) for phase in PHASES}
+    counter.walk(_dce(inner), 1.0, "forward", False, False, values)
+    return counter
 
 
-def _freeze(tally: dict[str, float]) -> PhaseWork:
+def _freeze(tally: dict[str, float], unpriced: dict[str, float], caveats: list[str]) -> PhaseWork:
     return PhaseWork(
         flops=tally["flops"],
         recompute_flops=tally["recompute_flops"],
@@ -313,4 +432,6 @@ def _freeze(tally: dict[str, float]) -> PhaseWork:
         host_bytes=tally["host_bytes"],
         host_seconds=tally["host_seconds"],
         while_loops=int(tally["while_loops"]),
+        unpriced=tuple(unpriced.items()),
+        caveats=tuple(caveats),
     )

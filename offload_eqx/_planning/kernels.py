@@ -5,7 +5,12 @@ reads and writes in device and in host memory, and which resource runs it.
   their dimensions; its bytes are its operands read and its results written, where an
   operand only sliced inside the fusion is read as the slices, and a result updated in
   place (`dynamic-update-slice`) is written as the update.
-- A `dot` or `convolution` outside a fusion, and the custom calls of cuBLAS, the same.
+- A `dot` or `convolution` outside a fusion, and the custom calls of cuBLAS and cuDNN's
+  convolutions, the same.
+- Every other custom call is a fused kernel, priced by its rule in `fused.py` (cuDNN
+  attention, splash attention, a Pallas kernel's declared cost estimate) at its own
+  efficiency where the rule gives one; a kernel no rule prices moves its operands and
+  results and is marked `unpriced`, for the simulation's notes.
 - Every other instruction that does work moves its operands and results.
 - Bytes in host memory (`S(5)` in the layout) cross the host link: host-to-device when
   read, device-to-host when written.
@@ -14,7 +19,9 @@ reads and writes in device and in host memory, and which resource runs it.
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 
+from .fused import KernelCost, Key, custom_call_cost
 from .hlo import Array, Computation, Instruction, Module, Type, arrays, nbytes
 
 # Instructions that run no kernel: they name, alias or group buffers.
@@ -41,6 +48,9 @@ class Work:
     host_read: float = 0.0  # bytes read from host memory: over the link, host-to-device
     host_write: float = 0.0  # bytes written to host memory: device-to-host
     transposes: bool = False  # the kernel transposes: its device bytes move strided
+    efficiency: float | None = None  # the fraction of peak its FLOPs run at (None: the target's)
+    unpriced: str = ""  # what the kernel is, when no rule prices its FLOPs (its bytes alone)
+    caveat: str = ""  # what a priced kernel's price leaves out (a mask not read)
 
 
 def group_size(instruction: Instruction) -> int:
@@ -87,13 +97,26 @@ def dot_flops(module: Module, computation: Computation, instruction: Instruction
     return 2.0 * result.elements * contracted
 
 
+# The forward convolution's (output, input, kernel) among a cuDNN convolution's (result,
+# first operand, second operand): its backward kernels carry the forward's dimensions.
+_CUDNN_CONVOLUTION_ROLES = {
+    "__cudnn$convBackwardInput": (1, 0, 2),
+    "__cudnn$convBackwardFilter": (2, 1, 0),
+}
+
+
 def convolution_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
-    """2 x (result elements) x (kernel elements per output feature) x the share of the
+    """2 x (output elements) x (kernel elements per output feature) x the share of the
     window's taps that meet input elements: the kernel's input features are already those
-    of one feature group."""
-    result = _first(instruction.type)
-    lhs = _first(module.operand_type(computation, instruction.operands[0]))
-    kernel = _first(module.operand_type(computation, instruction.operands[1]))
+    of one feature group. A cuDNN convolution's backward kernels (`__cudnn$convBackward*`)
+    cost what the forward convolution whose dimensions they carry costs."""
+    values = [_first(instruction.type)] + [
+        _first(module.operand_type(computation, o)) for o in instruction.operands[:2]
+    ]
+    if len(values) < 3:
+        return 0.0
+    roles = _CUDNN_CONVOLUTION_ROLES.get(instruction.attribute("custom_call_target") or "")
+    result, lhs, kernel = (values[i] for i in roles or (0, 1, 2))
     if result is None or kernel is None:
         return 0.0
     labels = instruction.attribute("dim_labels") or ""
@@ -211,11 +234,12 @@ def own_flops(module: Module, computation: Computation, instruction: Instruction
         return dot_flops(module, computation, instruction)
     if instruction.opcode == "convolution":
         return convolution_flops(module, computation, instruction)
-    if (
-        instruction.opcode == "custom-call"
-        and "gemm" in (instruction.attribute("custom_call_target") or "").lower()
-    ):
-        return _gemm_flops(module, computation, instruction)
+    if instruction.opcode == "custom-call":
+        target = instruction.attribute("custom_call_target") or ""
+        if "gemm" in target.lower():
+            return _gemm_flops(module, computation, instruction)
+        if target.startswith("__cudnn$conv"):
+            return convolution_flops(module, computation, instruction)
     return 0.0
 
 
@@ -356,11 +380,42 @@ def piece_work(source: Type, destination: Type, piece: Type) -> Work:
     return Work(0.0, device, size if src_host else 0.0, size if dst_host else 0.0)
 
 
-def instruction_work(module: Module, computation: Computation, instruction: Instruction) -> Work:
-    """The work of one synchronous instruction run as a kernel (`is_free` ones do none)."""
+def custom_call_work(
+    module: Module,
+    computation: Computation,
+    instruction: Instruction,
+    table: Mapping[Key, KernelCost] | None = None,
+) -> Work:
+    """A custom call's work: cuBLAS and cuDNN convolutions by their dimensions, any other
+    kernel by its rule in `fused.py` (`table`: what the traced program says of its Pallas
+    kernels)."""
+    flops = own_flops(module, computation, instruction)
+    if flops:
+        return _moved(module, computation, instruction, flops)
+    cost = custom_call_cost(module, computation, instruction, table)
+    work = _moved(module, computation, instruction, cost.flops)
+    return dataclasses.replace(
+        work,
+        device_bytes=work.device_bytes if cost.bytes is None else cost.bytes,
+        efficiency=cost.efficiency,
+        unpriced="" if cost.priced else f"{cost.kind} ({cost.note})",
+        caveat=f"{cost.kind}: {cost.note}" if cost.priced and cost.note else "",
+    )
+
+
+def instruction_work(
+    module: Module,
+    computation: Computation,
+    instruction: Instruction,
+    table: Mapping[Key, KernelCost] | None = None,
+) -> Work:
+    """The work of one synchronous instruction run as a kernel (`is_free` ones do none);
+    `table`: what the traced program says of its Pallas kernels (`flops.kernel_table`)."""
     opcode = instruction.opcode
     if is_free(instruction):
         return Work()
+    if opcode == "custom-call":
+        return custom_call_work(module, computation, instruction, table)
     if opcode == "fusion":
         return fusion_work(module, computation, instruction)
     if opcode in _SLICING:  # reads what it returns

@@ -5,8 +5,11 @@ resources, each doing one thing at a time:
 
 - `compute`: the device's stream. Each kernel (`kernels.py`) takes its roofline time,
   `max(FLOPs / (peak x efficiency), device bytes / HBM bandwidth, host bytes / link
-  bandwidth)`, plus the target's `kernel_launch` cost; a kernel that transposes moves
-  its device bytes at the target's `transpose_bandwidth` where that is given. A
+  bandwidth)`, plus the target's `kernel_launch` cost; a fused kernel (`fused.py`: cuDNN
+  attention) runs at its own published efficiency, and one no rule prices is priced by
+  its bytes alone and named in the notes (`Simulation.unpriced`); a kernel that
+  transposes moves its device bytes at the target's `transpose_bandwidth` where that is
+  given. A
   `while` runs its condition and body once per trip (`known_trip_count`, or read from a
   condition `i < N` on a counter starting at a constant, as XLA:TPU prints loops; once,
   with a note, where neither says), a `call` its computation, a `conditional` its
@@ -29,11 +32,14 @@ is idle. Each event is labelled with its phase (forward, backward, update) by it
 """
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from .._base.primitives import phase_of
+from .._base.table import format_bytes
 from .._targets.targets import Speeds
 from .events import RESOURCES, Event, Simulation
+from .fused import KernelCost, Key
 from .hlo import Computation, Instruction, Module, arrays, nbytes, parse_module
 from .kernels import (
     COLLECTIVES,
@@ -53,8 +59,10 @@ _EVENT_LIMIT = 200_000
 
 
 class _Simulator:
-    def __init__(self, module: Module, speeds: Speeds) -> None:
-        self.module, self.speeds = module, speeds
+    def __init__(
+        self, module: Module, speeds: Speeds, table: Mapping[Key, KernelCost] | None = None
+    ) -> None:
+        self.module, self.speeds, self.table = module, speeds, table
         self.clock = 0.0  # the compute stream
         self.free: dict[str, float] = dict.fromkeys(RESOURCES, 0.0)
         self.busy: dict[str, float] = dict.fromkeys(RESOURCES, 0.0)
@@ -69,6 +77,7 @@ class _Simulator:
         self.kernels = 0
         self.seen_backward = False
         self.notes: list[str] = []
+        self.unpriced: dict[str, tuple[str, float]] = {}  # instruction -> (what, bytes)
         self.truncated = False
 
     # -- pricing ------------------------------------------------------------------------
@@ -77,7 +86,7 @@ class _Simulator:
         s = self.speeds
         strided = work.transposes and s.transpose_bandwidth
         return s.kernel_launch + max(
-            work.flops / (s.flops * s.efficiency),
+            work.flops / (s.flops * (work.efficiency or s.efficiency)),
             work.device_bytes / (s.transpose_bandwidth if strided else s.memory_bandwidth),
             work.host_read / s.h2d_bandwidth,
             work.host_write / s.d2h_bandwidth,
@@ -146,6 +155,20 @@ class _Simulator:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def check_priced(self, instruction: Instruction, work: Work) -> None:
+        """Name a kernel no rule prices, with the bytes it is priced by, once; and say
+        what a priced kernel's price leaves out."""
+        if work.caveat:
+            self.note(f"{instruction.name}: {work.caveat}")
+        if not work.unpriced or instruction.name in self.unpriced:
+            return
+        moved = work.device_bytes + work.host_read + work.host_write
+        self.unpriced[instruction.name] = (work.unpriced, moved)
+        self.note(
+            f"{instruction.name}: {work.unpriced}; priced by the {format_bytes(int(moved))} "
+            "it reads and writes alone, its FLOPs not counted"
+        )
 
     # -- running ------------------------------------------------------------------------
 
@@ -225,8 +248,9 @@ class _Simulator:
     def kernel(self, computation: Computation, instruction: Instruction) -> None:
         key = ("kernel", id(instruction))
         if key not in self.cost:
-            work = instruction_work(self.module, computation, instruction)
+            work = instruction_work(self.module, computation, instruction, self.table)
             self.cost[key] = (work, self.kernel_seconds(work))
+            self.check_priced(instruction, work)
         work, seconds = self.cost[key]
         phase = self.phase(instruction)
         start = self.clock
@@ -338,7 +362,9 @@ class _Simulator:
         if opcode in COLLECTIVES:
             return "network", self.collective_seconds(opcode, instruction, computation), Work()
         if instruction.opcode == "async-start" and wrapped is not None:
-            return self.link_work(instruction_work(self.module, wrapped, wrapped.root))
+            work = instruction_work(self.module, wrapped, wrapped.root, self.table)
+            self.check_priced(wrapped.root, work)
+            return self.link_work(work)
         return self.link_work(self.copy_or_fusion(computation, instruction, opcode))
 
     def copy_or_fusion(
@@ -428,22 +454,33 @@ class _Simulator:
             events=tuple(self.events),
             notes=tuple(self.notes),
             truncated=self.truncated,
+            unpriced=tuple((name, what, moved) for name, (what, moved) in self.unpriced.items()),
         )
 
 
-def simulate(program: "str | Module | Any", speeds: Speeds, temp_bytes: int = 0) -> Simulation:
+def simulate(
+    program: "str | Module | Any",
+    speeds: Speeds,
+    temp_bytes: int = 0,
+    kernels: Mapping[Key, KernelCost] | None = None,
+) -> Simulation:
     """Run a compiled program's schedule on a device with `speeds`.
 
     `program` is a `jax.stages.Compiled` (`jax.jit(f).lower(...).compile()`), its
     `as_text()`, or a parsed `Module`. `temp_bytes`, the program's temporary buffer
     (`memory_analysis().temp_size_in_bytes`), is first written at the target's
-    `first_touch_bandwidth` before the first kernel, where that is priced.
+    `first_touch_bandwidth` before the first kernel, where that is priced. `kernels`:
+    what the traced program says of its Pallas kernels (`flops.kernel_table(jaxpr)`: a
+    GPU kernel's declared cost estimate, a splash kernel's mask), which the compiled
+    text does not carry.
     """
     if not isinstance(program, (str, Module)):
         program = program.as_text()
     module = program if isinstance(program, Module) else parse_module(program)
-    simulator = _Simulator(module, speeds)
+    simulator = _Simulator(module, speeds, kernels)
     if temp_bytes and speeds.first_touch_bandwidth:
         simulator.first_touch(temp_bytes)
     simulator.run(module.entry)
-    return dataclasses.replace(simulator.result(), program=module, temp_bytes=temp_bytes)
+    return dataclasses.replace(
+        simulator.result(), program=module, temp_bytes=temp_bytes, kernel_table=kernels
+    )

@@ -32,7 +32,7 @@ from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit
 from .._targets.calibrate import cpu_speeds
 from .._targets.targets import Speeds, Target
-from .flops import PhaseWork, count_work
+from .flops import PhaseWork, count_work, kernel_table
 
 PHASES = ("forward", "backward", "update")
 
@@ -71,6 +71,17 @@ class Costs:
     transfers: tuple[Transfer, ...]
     devices: int
     jaxpr: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # The values of the constants the program closes over (a splash kernel's block mask).
+    constants: Mapping[Any, Any] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+    # What the program says of its Pallas kernels, for the compiled simulation.
+    kernels: Mapping[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def unpriced(self) -> tuple[tuple[str, float], ...]:
+        """The kernels no rule prices, `(what, bytes)`, over every phase."""
+        return tuple(item for w in self.work.values() for item in w.unpriced)
 
     @property
     def flops(self) -> float:
@@ -97,22 +108,36 @@ def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], target:
     mismatch) fails before the CPU's speeds are measured (a second or more)."""
     report, jaxpr = audit_traced(step, *args, **kwargs)
     plan = step.plan(*args, **kwargs)
-    work = _work(jaxpr, speeds_of(target))
-    return Costs(work, tuple(report.transfers), plan.devices, jaxpr)
+    constants = _constants(step, args, kwargs)
+    work = _work(jaxpr, speeds_of(target), constants)
+    kernels = kernel_table(jaxpr, constants)
+    return Costs(work, tuple(report.transfers), plan.devices, jaxpr, constants, kernels)
+
+
+def _constants(step: FilterJit, args: tuple, kwargs: Mapping[str, Any]) -> dict:
+    """The values of the constants the step's traced program closes over, by variable
+    (the audit's program keeps the variables, not the values)."""
+    entry, _ = step.compilation(*args, **kwargs)
+    closed = entry.jaxpr
+    if closed is None:
+        return {}
+    return dict(zip(closed.jaxpr.constvars, closed.consts))
 
 
 def priced_at(costs: Costs, speeds: Speeds) -> Costs:
     """The same trace's work priced again at other `speeds` (no trace)."""
-    return dataclasses.replace(costs, work=_work(costs.jaxpr, speeds))
+    return dataclasses.replace(costs, work=_work(costs.jaxpr, speeds, costs.constants))
 
 
-def _work(jaxpr: Any, speeds: Speeds) -> Mapping[str, PhaseWork]:
+def _work(jaxpr: Any, speeds: Speeds, constants: Mapping[Any, Any]) -> Mapping[str, PhaseWork]:
     return count_work(
         jaxpr,
         flop_rate=speeds.flops * speeds.efficiency,
         byte_rate=speeds.memory_bandwidth,
         host_flop_rate=speeds.host_flops,
         host_byte_rate=speeds.host_bandwidth,
+        peak_flop_rate=speeds.flops,
+        constants=dict(constants),
     )
 
 
