@@ -272,7 +272,10 @@ ENTRY %main (a: f32[8,128]) -> f32[8,128] {
     assert simulate(text, speeds).flops == 1000
 
 
-def test_a_missing_cudnn_names_the_extra_before_any_trace(monkeypatch):
+@pytest.mark.parametrize(
+    "entry", ["estimate", "memory_report", "compare_memory", "fit", "max_batch"]
+)
+def test_a_missing_cudnn_names_the_extra_before_any_trace(monkeypatch, entry):
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
     from jax._src.lib import cuda_versions
 
@@ -288,8 +291,17 @@ def test_a_missing_cudnn_names_the_extra_before_any_trace(monkeypatch):
 
     q = S((1, 128, 2, 64), BF16)
     pattern = r"cuDNN could not be loaded \(cuDNN not found\).*extra 'cuda'.*nvidia-cudnn-cu12"
+    calls = {
+        "estimate": lambda s: ox.estimate(s, q, target="h100"),
+        "memory_report": lambda s: ox.memory_report(s, q, target="h100"),
+        "compare_memory": lambda s: ox.compare_memory({"step": (s, (q,))}, target="h100"),
+        "fit": lambda s: ox.fit(s, q, target="h100"),
+        "max_batch": lambda s: ox.max_batch(
+            s, lambda b: (S((b, 128, 2, 64), BF16),), target="h100"
+        ),
+    }
     with pytest.raises(ImportError, match=pattern):
-        ox.estimate(ox.filter_jit(step), q, target="h100")
+        calls[entry](ox.filter_jit(step))
     assert traced == []
 
 

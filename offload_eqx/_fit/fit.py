@@ -43,6 +43,7 @@ from typing import Any
 from .._base.options import checks_options
 from .._base.progress import reporting
 from .._jit.jit import step_of
+from .._targets.devices import require_compiler
 from .._targets.targets import get_target
 from .price import find_space, price
 from .refine import refine
@@ -109,6 +110,7 @@ def fit(
     be 0).
     """
     resolved = get_target(target)
+    require_compiler(resolved)  # a missing extra (cuDNN), before any trace
     budget = device_budget if device_budget is not None else resolved.capacity
     if budget is None:
         raise ValueError(_NO_BUDGET.format(target=resolved.name))

@@ -42,6 +42,7 @@ from .._targets.deviceless import (
     program_of_function,
     program_of_step,
 )
+from .._targets.devices import require_compiler
 from .._targets.targets import TARGETS, Target, get_target
 
 _BAD_PROGRAM = (
@@ -206,6 +207,7 @@ def memory_report(
     """
     refuse_ahead_of_time(fn, "ox.memory_report")
     resolved = get_target(target)  # an unknown target is refused before any trace
+    require_compiler(resolved)  # so is a missing extra (cuDNN), which a trace may need
     if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
             raise ValueError(_NOT_FROM_PLAN.format(name=_name_of(fn)))
@@ -354,6 +356,8 @@ def compare_memory(
     """
     targets = [target] if isinstance(target, (str, Target)) else _targets(target)
     resolved = [get_target(t) for t in targets]  # unknown names fail before any compile
+    for t in resolved:
+        require_compiler(t)
     reports: dict[tuple[str, str], MemoryReport] = {}
     for t in resolved:
         for name, program in programs.items():
