@@ -5,5 +5,5 @@ wrong around a call, each said in leaf paths: implicit transfers (`guard`:
 `eqx.error_if` raised from the call (`runtime_errors`), a failed call (`call_errors`),
 Ctrl-C held during donating calls (`interrupts`).
 
-May import `_base` to `_trace`.
+May import `_base` to `_arrays`.
 """

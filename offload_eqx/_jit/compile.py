@@ -21,6 +21,7 @@ import jax.extend as jex
 import numpy as np
 from jax.core import eval_jaxpr
 
+from .._arrays.place import match_type
 from .._base.errors import is_host_use_error
 from .._plan.plan import LeafPlan, Plan
 from .._plan.walk import format_keys, is_array_leaf
@@ -158,7 +159,9 @@ class Compilation:
 
     def moved(self, dynamic: Sequence[Any]) -> list:
         """The arguments, each not yet in its planned memory (or, over a mesh, sharding)
-        moved there explicitly; NumPy leaves planned in host memory uploaded there."""
+        moved there explicitly; NumPy leaves planned in host memory uploaded there; an
+        array in place whose type names another memory (Orbax restores host arrays typed
+        as device memory) retyped without a copy."""
         return [
             put(x, s)
             if s is not None
@@ -167,7 +170,7 @@ class Compilation:
                 (isinstance(x, (np.ndarray, np.generic)) and s.memory_kind == "pinned_host")
                 or (isinstance(x, jax.Array) and not same_place(x.sharding, s, x.ndim))
             )
-            else x
+            else match_type(x)
             for x, s in zip(dynamic, self.in_shardings)
         ]
 
