@@ -7,6 +7,9 @@ import pytest
 # switched on: optax's own Adam mixes Python floats with its int32 step count.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# A test over the default session's time budget fails the run (see time_budget.py).
+pytest_plugins = ("time_budget", "pytester")
+
 
 def pytest_addoption(parser):
     parser.addoption(

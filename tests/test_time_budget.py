@@ -1,0 +1,57 @@
+"""The default session's time budget (`time_budget.py`) fails a `--time-budget` run over
+it, naming the test, and lets `--full` runs and runs without the flag through."""
+
+import pathlib
+
+import pytest
+
+BUDGET_PLUGIN = pathlib.Path(__file__).with_name("time_budget.py")
+
+
+@pytest.fixture
+def project(pytester):
+    plugin = BUDGET_PLUGIN.read_text().replace("PHASE_SECONDS = 150.0", "PHASE_SECONDS = 0.5")
+    assert "PHASE_SECONDS = 0.5" in plugin  # the budget's line is where this test looks
+    ceiling = '"test_times.py::test_slow_with_a_ceiling": 5.0,'
+    plugin = plugin.replace("CEILINGS = {", "CEILINGS = {" + ceiling)
+    pytester.makepyfile(time_budget=plugin)
+    pytester.makeconftest(
+        """
+        pytest_plugins = ("time_budget",)
+
+        def pytest_addoption(parser):
+            parser.addoption("--full", action="store_true")
+        """
+    )
+    pytester.makepyfile(
+        test_times="""
+        import time
+
+        def test_slow():
+            time.sleep(1.0)
+
+        def test_fast():
+            pass
+
+        def test_slow_with_a_ceiling():
+            time.sleep(1.0)
+        """
+    )
+    return pytester
+
+
+def test_a_test_over_the_budget_fails_the_run_and_is_named(project):
+    result = project.runpytest_subprocess("-p", "no:cacheprovider", "--time-budget")
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["*1 test phase(s) took more than*budget of 0 s*", "*test_times.py::test_slow"]
+    )
+    named = result.stdout.str().split("time budget")[-1]
+    assert "test_fast" not in named and "test_slow_with_a_ceiling" not in named
+
+
+@pytest.mark.parametrize("options", [("--time-budget", "--full"), ()])
+def test_full_and_unbudgeted_runs_are_not_held_to_it(project, options):
+    result = project.runpytest_subprocess("-p", "no:cacheprovider", *options)
+    assert result.ret == pytest.ExitCode.OK
