@@ -77,17 +77,21 @@ def _leaves(arguments: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     ]
 
 
+def _shown(paths: Sequence[str]) -> str:
+    """The first three paths, and how many more."""
+    shown = ", ".join(f"`{p}`" for p in paths[:3])
+    if len(paths) > 3:
+        shown += f" and {len(paths) - 3} more leaves"
+    return shown
+
+
 def abstract_problem(arguments: Sequence[tuple[str, Any]], caller: str) -> TypeError | None:
     """The error for a call given `jax.ShapeDtypeStruct`s (None: it was given none)."""
     paths = [p for p, leaf in _leaves(arguments) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if not paths:
         return None
-    shown = ", ".join(f"`{p}`" for p in paths[:3])
-    if len(paths) > 3:
-        shown += f" and {len(paths) - 3} more leaves"
-    one = len(paths) == 1
-    are, s = ("is a", "") if one else ("are", "s")
-    return TypeError(_ABSTRACT.format(caller=caller, paths=shown, are=are, s=s))
+    are, s = ("is a", "") if len(paths) == 1 else ("are", "s")
+    return TypeError(_ABSTRACT.format(caller=caller, paths=_shown(paths), are=are, s=s))
 
 
 def _mistyped(error: Misplaced, arguments: Sequence[tuple[str, Any]], caller: str) -> ValueError:
@@ -122,9 +126,7 @@ def donated_problem(
     ]
     if not deleted:
         return None
-    shown = ", ".join(f"`{p}`" for p in deleted[:3])
-    if len(deleted) > 3:
-        shown += f" and {len(deleted) - 3} more leaves"
+    shown = _shown(deleted)
     one = len(deleted) == 1
     return ValueError(
         _DONATED.format(
