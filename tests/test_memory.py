@@ -254,6 +254,42 @@ def test_xla_log_lines_of_a_program_over_capacity_stay_off_the_terminal(capfd):
     assert r.fits is False
     assert any("Can't reduce memory use" in line for line in r.compiler_log), r.compiler_log
     assert "Can't reduce memory use" not in capfd.readouterr().err
+    # The same program again is not compiled again, and its report keeps the lines.
+    again = memory_report(lambda w: jnp.sin(w) @ jnp.cos(w).T, w, target="h100")
+    assert again.compiler_log == r.compiler_log
+
+
+def _backend_compiles() -> list[float]:
+    """The durations of XLA's compiles from now on (jax's monitoring events)."""
+    durations: list[float] = []
+
+    def listen(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            durations.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return durations
+
+
+@pytest.mark.deviceless
+def test_a_program_is_compiled_for_a_target_once_per_process():
+    """`ox.fit`, then `ox.estimate` or `ox.memory_report` of the plan it chose, compile
+    the same program: XLA:GPU spends seconds on each, so it is compiled once. A program
+    that differs (another function, shape or target) is compiled."""
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    compiles = _backend_compiles()
+
+    def f(w):
+        return jnp.tanh(w) @ w.T
+
+    first = memory_report(f, w, target="h100")
+    assert len(compiles) == 1
+    assert memory_report(f, w, target="h100") == first
+    assert len(compiles) == 1
+    memory_report(f, jax.ShapeDtypeStruct((256, 256), jnp.float32), target="h100")
+    memory_report(lambda w: jnp.sin(w) @ w.T, w, target="h100")
+    memory_report(f, w, target="tpu-v5p")
+    assert len(compiles) == 4
 
 
 @pytest.mark.deviceless

@@ -33,6 +33,7 @@ from .._declare.placement import MEMORIES
 from .._sharding.host_compute import check_host_compute, compiler_options
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
+from .compile_memo import compile_once
 from .devices import mesh_on_target, target_mesh, uses_abstract_mesh
 from .targets import Target
 
@@ -237,11 +238,9 @@ def compiler_log(lines: list[str]) -> Iterator[None]:
 
 
 def compile_for(program: Program, target: Target, log: list[str] | None = None) -> Any:
-    """Compile `program` with `target`'s compiler (no device needed for GPU/TPU); XLA's
-    log lines go into `log` when one is given (`compiler_log`)."""
-    if log is not None:
-        with compiler_log(log):
-            return compile_for(program, target)
+    """Compile `program` with `target`'s compiler (no device needed for GPU/TPU), once per
+    process for each distinct program (`compile_memo`); XLA's log lines go into `log`
+    when one is given (`compiler_log`), else to stderr."""
     on_mesh = program.mesh is not None
     if program.mesh is not None:
         mesh = mesh_on_target(target, program.mesh)
@@ -262,14 +261,16 @@ def compile_for(program: Program, target: Target, log: list[str] | None = None) 
     flat = program.flat_on(sharding_mesh)
 
     def compile_with(out_shardings: list | None) -> Any:
+        xla_options = compiler_options(traced.jaxpr, target.platform)
         options: dict[str, Any] = {
             "donate_argnums": program.donate_argnums,
-            "compiler_options": compiler_options(traced.jaxpr, target.platform),
+            "compiler_options": xla_options,
         }
         if out_shardings is not None:
             options["out_shardings"] = out_shardings
         jitted = jax.jit(flat, in_shardings=in_shardings, **options)
-        return jitted.trace(*abstract).lower().compile()
+        lowered = jitted.trace(*abstract).lower()
+        return compile_once(lowered, target, xla_options, compiler_log, log)
 
     context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
     with context:

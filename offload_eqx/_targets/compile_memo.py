@@ -1,0 +1,62 @@
+"""Each distinct program is compiled for a target once per process.
+
+`ox.fit` compiles the plans it ranks, and a user then asks `ox.estimate` or
+`ox.memory_report` about the plan it chose, or fits the same step under another budget:
+the same program, compiled again (XLA:GPU spends seconds on each, most of them in its
+fusion pass, whatever the shapes). A compile depends only on the lowered module (its text
+holds the shapes, memories, shardings and donation), the options it is compiled with and
+the target's compiler, so the compiled program is kept under those, with the compiler's
+log lines, and handed out again. The memory reports and the simulation only read it.
+"""
+
+import collections
+import hashlib
+import sys
+from typing import Any
+
+from .targets import Target
+
+# Compiled programs are a few MiB at most (their HLO); the most recent are kept.
+KEEP = 64
+
+_compiled: collections.OrderedDict[tuple, tuple[Any, tuple[str, ...]]] = collections.OrderedDict()
+
+
+def _key(lowered: Any, target: Target, options: dict[str, Any] | None) -> tuple:
+    text = lowered.as_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    compiler = (target.platform, target.topology, target.config, target.chips_per_host)
+    return (digest, compiler, tuple(sorted((options or {}).items())))
+
+
+def compile_once(
+    lowered: Any,
+    target: Target,
+    options: dict[str, Any] | None,
+    capture: Any,
+    log: list[str] | None,
+) -> Any:
+    """`lowered.compile()`, or the program compiled before from the same module, options
+    and compiler. The compiler's log lines (caught by `capture(lines)`, a context
+    manager) go into `log`, or to stderr when there is none, on every call."""
+    key = _key(lowered, target, options)
+    if key in _compiled:
+        _compiled.move_to_end(key)
+    else:
+        caught: list[str] = []
+        with capture(caught):
+            compiled = lowered.compile()
+        _compiled[key] = (compiled, tuple(caught))
+        while len(_compiled) > KEEP:
+            _compiled.popitem(last=False)
+    compiled, lines = _compiled[key]
+    if log is not None:
+        log.extend(lines)
+    elif lines:
+        sys.stderr.write("\n".join(lines) + "\n")
+    return compiled
+
+
+def forget() -> None:
+    """Drop every kept program (a test that counts compiles starts from none)."""
+    _compiled.clear()
