@@ -5,7 +5,7 @@ nox -s deviceless       # only the memory reports from the real XLA:GPU / XLA:TP
 nox -s multidevice      # tests on 8 CPU devices and across 2 processes
 nox -s lint typecheck   # ruff, pyright
 nox -s experiments      # the experiments on small defaults (--smoke)
-nox -s benchmarks       # dispatch overhead, audit time, step time, compiled FLOPs
+nox -s benchmarks       # dispatch overhead, audit time, step time, compiled FLOPs, GPU check
 nox -s docs             # the documentation site into site/ (mkdocs --strict)
 """
 
