@@ -21,6 +21,7 @@ from .._base.table import format_bytes
 from .._declare.activations import LayerSplit
 from .._inspect.memory_report import compiled_report
 from .._jit.jit import FilterJit, filter_jit
+from .._plan.plan import Plan
 from .._planning.estimate import StepEstimate, estimate_from, simulate_compiled
 from .._planning.traced_time import (
     Costs,
@@ -97,6 +98,7 @@ class Search:
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
     costs: dict = dataclasses.field(default_factory=dict)
     wrappers: dict = dataclasses.field(default_factory=dict)
+    plans: dict = dataclasses.field(default_factory=dict)  # Choice -> Plan
     traces: int = 0
     compiles: int = 0
     # Compiled plans that did not fit (or that the compiler refused for memory), with the
@@ -162,7 +164,7 @@ class Search:
         """Bytes of the arguments a plan puts in `memory` on each device ("device" counts
         unmanaged leaves too: they stay where they are, on the device); over a mesh, each
         leaf's shard."""
-        plan = self.wrapper(choice).plan(*self.args, **self.kwargs)
+        plan = self.plan(choice)
         memories = (None, "device") if memory == "device" else (memory,)
         return sum(
             int(np.prod(_shard_shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
@@ -170,9 +172,17 @@ class Search:
             if leaf.memory in memories
         )
 
+    def plan(self, choice: Choice) -> Plan:
+        """The plan of `choice` for the step's arguments: the bounds ask for it hundreds of
+        times over a search (3,872 plans, 39 s, in one search of the planner tests' decoder),
+        so it is made once."""
+        if choice not in self.plans:
+            self.plans[choice] = self.wrapper(choice).plan(*self.args, **self.kwargs)
+        return self.plans[choice]
+
     def devices(self, choice: Choice) -> int:
         """How many devices a plan runs on (its mesh's)."""
-        return self.wrapper(choice).plan(*self.args, **self.kwargs).devices
+        return self.plan(choice).devices
 
     def named(self, choice: Choice, policy: str) -> int:
         """Bytes of the named values a plan gives `policy` (in the share of the layers
