@@ -2,6 +2,7 @@
 small enough that a compile for the H100 takes a second, with a batch at which the
 baseline does not fit the budgets the tests set from its own compiled memory."""
 
+import functools
 import pathlib
 import sys
 from typing import Any
@@ -30,8 +31,10 @@ FIXED = [
 ]
 
 
+@functools.cache
 def make_problem() -> tuple[Any, tuple]:
-    """The optimizer, and the step's arguments (abstract: nothing is allocated)."""
+    """The optimizer, and the step's arguments (abstract: nothing is allocated); one per
+    process, shared by `test_fit.py` and `test_fit_between.py` (one worker runs both)."""
     model, opt_state = decoder.abstract_state(CONFIG)
     tokens = jax.ShapeDtypeStruct((BATCH, CONFIG.seq + 1), jnp.int32)
     optimizer = decoder.make_optimizer()
@@ -42,8 +45,9 @@ def step_of(problem: tuple, strategy: Any) -> Any:
     return decoder.make_step(problem[0], strategy)
 
 
+@functools.cache
 def fixed_estimates_of(problem: tuple) -> dict[str, Any]:
-    """Every fixed strategy's estimate (compiled), by name."""
+    """Every fixed strategy's estimate (compiled), by name; once per process."""
     return {
         name: ox.estimate(step_of(problem, ox.STRATEGIES[name]), *problem[1], target="h100")
         for name in FIXED

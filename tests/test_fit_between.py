@@ -10,7 +10,9 @@ from fit_problem import fixed_estimates_of, make_problem, step_of
 
 import offload_eqx as ox
 
-pytestmark = [pytest.mark.deviceless, pytest.mark.xdist_group("test_fit_between")]
+# The worker that runs `test_fit.py` runs these too: the problem, the fixed strategies'
+# estimates and every program compiled for them are shared (compiled once per process).
+pytestmark = [pytest.mark.deviceless, pytest.mark.xdist_group("test_fit")]
 
 
 @pytest.fixture(scope="module")
