@@ -7,6 +7,16 @@ import pytest
 # switched on: optax's own Adam mixes Python floats with its int32 step count.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The tests check what offload_eqx plans, moves and computes, not how fast the machine
+# code XLA emits runs: LLVM's optimisations are switched off, which cuts a CPU test's
+# compiles by about 40% (tests/test_equivalence.py: 58 s against 102 s). XLA's HLO passes
+# run as always, so the compiled programs, memory reports and schedules are the ones users
+# get (the planner tests' decoder under `hybrid`: the same optimised HLO and the same
+# memory, for the CPU and for the H100). Processes the tests start inherit it.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE if f not in _flags])
+
 # A test over the default session's time budget fails the run (see time_budget.py).
 pytest_plugins = ("time_budget", "pytester")
 

@@ -48,14 +48,19 @@ def lines(text: str) -> list[str]:
 def run_script(script: str, directory: Path, timeout: int) -> subprocess.CompletedProcess:
     """`script` run in a fresh process in `directory`, in the environment the nox sessions
     set (`JAX_PLATFORMS=cpu`; the TPU variables without which libtpu warns at start), one
-    CPU device unless the script builds a mesh (then 8)."""
+    CPU device unless the script builds a mesh (then 8), no XLA flag of the caller's but
+    the tests' faster compiles."""
     (directory / "script.py").write_text(script)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
     env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    env.pop("XLA_FLAGS", None)
+    # The reader's XLA, but for the tests' faster compiles (`conftest.FAST_COMPILE`).
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization" in f or "llvm" in f
+    ]
     if _MESH.search(script):
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        flags.append("--xla_force_host_platform_device_count=8")
+    env["XLA_FLAGS"] = " ".join(flags)
     return subprocess.run(
         [sys.executable, "script.py"],
         capture_output=True,
