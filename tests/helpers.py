@@ -266,13 +266,15 @@ def rotated(
     kept: tuple[str, ...],
     case_id: Callable[[Any], str] = str,
     group: str | None = None,
+    turn: bool = True,
 ) -> list:
     """`(case, strategy)` parameters for every case under every strategy. Without `--full`
     each case runs under the `kept` strategies and one of the others in turn (the rest are
-    marked `full`), so every strategy still meets cases in the default run. With `group`,
-    a case's strategies share one pytest-xdist worker (`--dist loadgroup`), so what the
-    test caches per case (a reference run) is computed once."""
-    others = [s for s in strategies if s not in kept]
+    marked `full`), so every strategy still meets cases in the default run; with
+    `turn=False`, under the `kept` strategies only. With `group`, a case's strategies
+    share one pytest-xdist worker (`--dist loadgroup`), so what the test caches per case
+    (a reference run) is computed once."""
+    others = [s for s in strategies if s not in kept] if turn else []
     params = []
     for i, case in enumerate(cases):
         marks = [pytest.mark.xdist_group(f"{group}:{case_id(case)}")] if group else []

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.deviceless
+# One worker runs the file: its 8-device child process (`_reports`) runs once, not once
+# per worker (28 s each).
+pytestmark = [pytest.mark.deviceless, pytest.mark.xdist_group("test_memory_mesh")]
 
 EIGHT = "--xla_force_host_platform_device_count=8"
 CHILD_TIMEOUT = 240

@@ -257,11 +257,13 @@ DECLARES_HOST_PARAMS = {"mlp", "vit", "batch_norm", "odd_leaves", *FAMILIES, *TH
 NAMES = {"encoder": "block_output", "vit": "mlp_hidden", **FAMILY_NAMES}
 
 
-# Each family under its own declarations ("annotated") and one of the other six in turn
-# ("hybrid", everything moved to the host, among them): every strategy meets four or five
-# families; all seven with `--full`.
+# Each family under its own declarations ("annotated"), as its users would run it; under
+# every other strategy with `--full`. The other strategies meet these models in the
+# default run through `test_bound_method_as_the_function`, `test_optax_wrappers`, the
+# equivalence tests' models (each under one other strategy in turn) and the optimizer's.
 @pytest.mark.parametrize(
-    "name, strategy", rotated(ALL_CASES, STRATEGIES, ("annotated",), group="real_models")
+    "name, strategy",
+    rotated(ALL_CASES, STRATEGIES, ("annotated",), group="real_models", turn=False),
 )
 def test_same_as_plain_equinox(name: str, strategy: str):
     case = ALL_CASES[name]

@@ -252,8 +252,11 @@ def _generate_four(model: LlamaDecoder, prompt: Int[Array, " prompt"]) -> Int[Ar
     return model.generate(prompt, 4)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("how", ["bound_method", "function"])
+# Each way of calling it under the model's own declarations and one other strategy in
+# turn (all of them with `--full`).
+@pytest.mark.parametrize(
+    "how, strategy", rotated(["bound_method", "function"], STRATEGIES, ("annotated",))
+)
 def test_generate(how: str, strategy: str):
     """`ox.filter_jit(model.generate)(prompt)` and
     `ox.filter_jit(lambda m, p: m.generate(p, 4))(model, prompt)`: greedy decoding with a
