@@ -66,6 +66,9 @@ def test_plain_function_with_memories_and_donation():
     assert r.name == "f"
     assert r.device["argument"] == 2 * 64 * 64 * 4  # CPU counts host arguments as device
     assert r.device["alias"] == 64 * 64 * 4
+    # One index, as `jax.jit` takes it.
+    one = memory_report(jax.jit(f), w, x, in_memory=("pinned_host", None), donate_argnums=1)
+    assert one.device == r.device
 
 
 def test_compare_memory_table():

@@ -177,7 +177,7 @@ def memory_report(
     target: "str | Target" = "cpu",
     in_memory: Any = None,
     out_memory: Any = None,
-    donate_argnums: Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
     name: str | None = None,
     **kwargs: Any,
 ) -> MemoryReport:
@@ -196,7 +196,7 @@ def memory_report(
         `ShapeDtypeStruct` without a sharding).
     - `out_memory`: plain functions only: a pytree prefix of the results, `None` meaning
         the traced memory space (what `jax.jit(..., out_shardings=...)` sets otherwise).
-    - `donate_argnums`: plain functions only, as in `jax.jit`.
+    - `donate_argnums`: plain functions only, as in `jax.jit` (an index or a sequence).
     - `name`: the report's label (the function's name by default).
 
     Arguments on a mesh are compiled on that mesh rebuilt on the target's devices (the
@@ -208,6 +208,8 @@ def memory_report(
     refuse_ahead_of_time(fn, "ox.memory_report")
     resolved = get_target(target)  # an unknown target is refused before any trace
     require_compiler(resolved)  # so is a missing extra (cuDNN), which a trace may need
+    if isinstance(donate_argnums, int):
+        donate_argnums = (donate_argnums,)
     if isinstance(fn, FilterJit):
         if in_memory is not None or out_memory is not None or tuple(donate_argnums):
             raise ValueError(_NOT_FROM_PLAN.format(name=_name_of(fn)))
