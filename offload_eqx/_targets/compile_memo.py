@@ -16,8 +16,9 @@ from typing import Any
 
 from .targets import Target
 
-# Compiled programs are a few MiB at most (their HLO); the most recent are kept.
-KEEP = 64
+# The most recent compiled programs are kept (each holds its optimised HLO: 0.3 MB of text
+# for a scanned decoder's training step), enough for two `ox.fit` searches of 12 compiles.
+KEEP = 32
 
 _compiled: collections.OrderedDict[tuple, tuple[Any, tuple[str, ...]]] = collections.OrderedDict()
 
