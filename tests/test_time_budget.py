@@ -13,7 +13,8 @@ def project(pytester):
     plugin = BUDGET_PLUGIN.read_text().replace("PHASE_SECONDS = 150.0", "PHASE_SECONDS = 0.5")
     assert "PHASE_SECONDS = 0.5" in plugin  # the budget's line is where this test looks
     ceiling = '"test_times.py::test_slow_with_a_ceiling": 5.0,'
-    plugin = plugin.replace("CEILINGS = {", "CEILINGS = {" + ceiling)
+    plugin = plugin.replace("CEILINGS: dict[str, float] = {", "CEILINGS = {" + ceiling)
+    assert ceiling in plugin  # and the ceilings' line
     pytester.makepyfile(time_budget=plugin)
     pytester.makeconftest(
         """
