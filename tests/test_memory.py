@@ -5,7 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-from typing import cast
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -266,9 +266,9 @@ def _backend_compiles() -> list[float]:
     """The durations of XLA's compiles from now on (jax's monitoring events)."""
     durations: list[float] = []
 
-    def listen(event: str, seconds: float, **_) -> None:
+    def listen(event: str, duration_secs: float, **kwargs: Any) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
-            durations.append(seconds)
+            durations.append(duration_secs)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     return durations
