@@ -56,8 +56,3 @@ def compile_once(
     elif lines:
         sys.stderr.write("\n".join(lines) + "\n")
     return compiled
-
-
-def forget() -> None:
-    """Drop every kept program (a test that counts compiles starts from none)."""
-    _compiled.clear()
