@@ -295,6 +295,19 @@ def test_a_program_is_compiled_for_a_target_once_per_process():
     assert len(compiles) == 4
 
 
+def test_only_the_most_recent_programs_are_kept(monkeypatch):
+    from offload_eqx._targets import compile_memo
+
+    monkeypatch.setattr(compile_memo, "KEEP", 1)
+    compiles = _backend_compiles()
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    memory_report(jnp.sin, w)
+    memory_report(jnp.cos, w)  # pushes out the first
+    memory_report(jnp.cos, w)
+    memory_report(jnp.sin, w)
+    assert len(compiles) == 3
+
+
 @pytest.mark.deviceless
 def test_importing_with_the_accelerator_extras_is_quiet():
     """Issue 10 item 11: with the `cuda` and `tpu` extras installed, importing jax and

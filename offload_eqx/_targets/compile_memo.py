@@ -11,7 +11,6 @@ log lines, and handed out again. The memory reports and the simulation only read
 
 import collections
 import hashlib
-import sys
 from typing import Any
 
 from .targets import Target
@@ -35,11 +34,11 @@ def compile_once(
     target: Target,
     options: dict[str, Any] | None,
     capture: Any,
-    log: list[str] | None,
+    log: list[str],
 ) -> Any:
     """`lowered.compile()`, or the program compiled before from the same module, options
     and compiler. The compiler's log lines (caught by `capture(lines)`, a context
-    manager) go into `log`, or to stderr when there is none, on every call."""
+    manager) go into `log` on every call."""
     key = _key(lowered, target, options)
     if key in _compiled:
         _compiled.move_to_end(key)
@@ -51,8 +50,5 @@ def compile_once(
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)
     compiled, lines = _compiled[key]
-    if log is not None:
-        log.extend(lines)
-    elif lines:
-        sys.stderr.write("\n".join(lines) + "\n")
+    log.extend(lines)
     return compiled

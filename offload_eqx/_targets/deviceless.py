@@ -3,7 +3,7 @@
 A `Program` is a flat function of array leaves with the memory (and, on a mesh, the
 `PartitionSpec`) of each argument and result and its donation: built from an
 `ox.filter_jit` step's plan (`program_of_step`) or from a plain function and the memories
-given by name (`program_of_function`). `compile_for(program, target)` compiles it with
+given by name (`program_of_function`). `compile_for(program, target, log)` compiles it with
 the target's compiler and returns the compiled executable, whose `memory_analysis()` the
 memory reports read.
 
@@ -237,10 +237,10 @@ def compiler_log(lines: list[str]) -> Iterator[None]:
                 sys.stderr.write("\n".join(others) + "\n")
 
 
-def compile_for(program: Program, target: Target, log: list[str] | None = None) -> Any:
+def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     """Compile `program` with `target`'s compiler (no device needed for GPU/TPU), once per
     process for each distinct program (`compile_memo`); XLA's log lines go into `log`
-    when one is given (`compiler_log`), else to stderr."""
+    (`compiler_log`)."""
     on_mesh = program.mesh is not None
     if program.mesh is not None:
         mesh = mesh_on_target(target, program.mesh)
