@@ -295,6 +295,29 @@ def test_a_program_is_compiled_for_a_target_once_per_process():
     assert len(compiles) == 4
 
 
+@pytest.mark.deviceless
+def test_a_deviceless_compile_stays_out_of_the_persistent_cache(tmp_path, monkeypatch):
+    """With JAX's persistent compilation cache on (as many users set it), a program
+    compiled for the H100 was written there, and the next process to compile it read it
+    back with "Error reading persistent compilation cache entry ... PjRtCompiler must be
+    constructed with a Client" on stderr. (The CPU's compiles still use the cache: the test
+    session's own, `conftest.py`.)"""
+    from snippets import run_script
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    script = (
+        "import jax, jax.numpy as jnp, offload_eqx as ox\n"
+        "w = jax.ShapeDtypeStruct((128, 128), jnp.float32)\n"
+        "print(ox.memory_report(lambda w: jnp.tanh(w) @ w, w, target='h100').device)\n"
+    )
+    first, second = (run_script(script, tmp_path, timeout=300) for _ in range(2))
+    assert first.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert first.stdout == second.stdout and second.stderr == "", second.stderr[-2000:]
+    assert not list(cache.glob("*flat*"))
+
+
 def test_only_the_most_recent_programs_are_kept(monkeypatch):
     from offload_eqx._targets import compile_memo
 

@@ -7,11 +7,23 @@ fusion pass, whatever the shapes). A compile depends only on the lowered module 
 holds the shapes, memories, shardings and donation), the options it is compiled with and
 the target's compiler, so the compiled program is kept under those, with the compiler's
 log lines, and handed out again. The memory reports and the simulation only read it.
+
+JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, which many users set)
+cannot hold a program compiled without its device: JAX writes it, and a later process
+that reads it back warns "Error reading persistent compilation cache entry ...
+PjRtCompiler must be constructed with a Client" and compiles again. A compile for a
+target other than the CPU therefore writes nothing there (and says nothing of an entry
+written by an older version); the CPU's compiles use the cache as any JAX program does.
 """
 
 import collections
+import contextlib
 import hashlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
+
+from jax._src import config as _jax_config  # private: the thread-local form of a setting
 
 from .targets import Target
 
@@ -44,7 +56,7 @@ def compile_once(
         _compiled.move_to_end(key)
     else:
         caught: list[str] = []
-        with capture(caught):
+        with capture(caught), _persistent_cache_unless_cpu(target):
             compiled = lowered.compile()
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
@@ -52,3 +64,20 @@ def compile_once(
     compiled, lines = _compiled[key]
     log.extend(lines)
     return compiled
+
+
+@contextlib.contextmanager
+def _persistent_cache_unless_cpu(target: Target) -> Iterator[None]:
+    """For a target other than the CPU: nothing written to JAX's persistent compilation
+    cache (no compile takes forever), and the warning about reading an entry that an
+    earlier deviceless compile wrote kept off the user's terminal."""
+    if not target.deviceless:
+        yield
+        return
+    with warnings.catch_warnings(), _jax_config.persistent_cache_min_compile_time_secs(
+        float("inf")
+    ):
+        warnings.filterwarnings(
+            "ignore", message="Error reading persistent compilation cache entry"
+        )
+        yield
