@@ -74,8 +74,9 @@ def _persistent_cache_unless_cpu(target: Target) -> Iterator[None]:
     if not target.deviceless:
         yield
         return
-    with warnings.catch_warnings(), _jax_config.persistent_cache_min_compile_time_secs(
-        float("inf")
+    with (
+        warnings.catch_warnings(),
+        _jax_config.persistent_cache_min_compile_time_secs(float("inf")),
     ):
         warnings.filterwarnings(
             "ignore", message="Error reading persistent compilation cache entry"
