@@ -52,10 +52,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def multidevice(session: nox.Session) -> None:
-    """Tests on 8 CPU devices and two processes: `nox -s multidevice` (serial: the first
-    8-device test runs its file once in a child pytest with 8 devices)."""
+    """Tests on 8 CPU devices and two processes: `nox -s multidevice` (the first 8-device
+    test runs them all in one child pytest with 8 devices, beside the tests that start
+    processes of their own)."""
     session.install("-e", ".[test,checkpoint]")
-    _pytest(session, "-m", "multidevice")
+    _pytest(session, *PARALLEL, "-m", "multidevice")
 
 
 @nox.session(python=PYTHON)

@@ -3,8 +3,8 @@ two processes give the same losses, gradients and updates as one device.
 
 The 8-device tests need `--xla_force_host_platform_device_count=8` before JAX starts, so
 unless it is already set, the first of them runs this whole file once in a child pytest
-with the flag, and each test here reports its child's outcome. The two-process test
-launches `_multiprocess_worker.py` twice itself.
+with the flag (one xdist worker per core), and each test here reports its child's
+outcome. The two-process test launches `_multiprocess_worker.py` twice itself.
 """
 
 import functools
@@ -71,6 +71,9 @@ def _child_outcomes() -> dict[str, tuple[str, str]]:
             "-q",
             "-p",
             "no:cacheprovider",
+            # Its tests compile for most of their time, one core each: one worker per core.
+            "-n",
+            "auto",
             "-k",
             "not two_processes",
             f"--junitxml={report}",
@@ -106,14 +109,17 @@ def on_eight_devices(test):
         if IN_CHILD:
             assert jax.device_count() == 8
             return test(*args, **kwargs)
-        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
+        current = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
+        name = current.split("@")[0]  # xdist's loadgroup adds "@eight_devices"
         outcome, text = _child_outcomes().get(name, ("missing", "the child did not run it"))
         if outcome == "skipped":
             pytest.skip(text)
         if outcome != "passed":
             pytest.fail(f"On 8 devices ({outcome}):\n{text}", pytrace=False)
 
-    return wrapper
+    # Under xdist, one worker asks the child for every 8-device outcome (one child, not
+    # one per worker), while another runs the tests that start processes of their own.
+    return pytest.mark.xdist_group("eight_devices")(wrapper)
 
 
 # -- helpers -----------------------------------------------------------------------------
