@@ -42,7 +42,14 @@ def make_problem() -> tuple[Any, tuple]:
 
 
 def step_of(problem: tuple, strategy: Any) -> Any:
-    return decoder.make_step(problem[0], strategy)
+    """The step under `strategy`: one function per strategy and process, so that a test
+    fitting it after another finds its traces made (JAX keeps them by function)."""
+    return _step(problem[0], strategy)
+
+
+@functools.cache
+def _step(optimizer: Any, strategy: Any) -> Any:
+    return decoder.make_step(optimizer, strategy)
 
 
 @functools.cache
