@@ -56,7 +56,7 @@ def compile_once(
         _compiled.move_to_end(key)
     else:
         caught: list[str] = []
-        with capture(caught), _persistent_cache_unless_cpu(target):
+        with capture(caught), _kept_out_of_the_persistent_cache_if_deviceless(target):
             compiled = lowered.compile()
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
@@ -67,10 +67,10 @@ def compile_once(
 
 
 @contextlib.contextmanager
-def _persistent_cache_unless_cpu(target: Target) -> Iterator[None]:
+def _kept_out_of_the_persistent_cache_if_deviceless(target: Target) -> Iterator[None]:
     """For a target other than the CPU: nothing written to JAX's persistent compilation
-    cache (no compile takes forever), and the warning about reading an entry that an
-    earlier deviceless compile wrote kept off the user's terminal."""
+    cache (the least compile time it writes is set to infinity), and the warning about
+    reading an entry an earlier deviceless compile wrote kept off the user's terminal."""
     if not target.deviceless:
         yield
         return
