@@ -69,6 +69,16 @@ def _is_var(v: Any) -> bool:
     return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
 
 
+def _scan_consts_and_carry(params: dict) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and how many its carry. jax 0.10 names
+    them `num_consts` and `num_carry`; jax 0.11 packs the inputs' groups into `ft_in`
+    (constants, carry, scanned), each as long as its inputs."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 # The scope `ox.scan` runs its loop in, so that a carry name can say which scan it is.
 OX_SCAN_SCOPE = "ox_scan"
 
@@ -88,7 +98,7 @@ def carried_names(jaxpr: Any) -> dict[str, str]:
                 found.setdefault(eqn.params["name"], scan)
             if eqn.primitive.name == "scan":
                 body = eqn.params["jaxpr"].jaxpr
-                start, n = eqn.params["num_consts"], eqn.params["num_carry"]
+                start, n = _scan_consts_and_carry(eqn.params)
                 ours = OX_SCAN_SCOPE in str(eqn.source_info.name_stack)
                 walk(
                     body,
