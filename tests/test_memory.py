@@ -318,6 +318,25 @@ def test_a_deviceless_compile_stays_out_of_the_persistent_cache(tmp_path, monkey
     assert not list(cache.glob("*flat*"))
 
 
+def test_a_compile_on_the_attached_accelerator_uses_the_persistent_cache(monkeypatch):
+    """Only a compile made without the device stays out of the cache: on a machine with
+    the target's chip (a GPU machine compiling for "h100"), the program is an ordinary
+    one, and a later run of the same step finds it on disk (`gpu_check.py` counts on
+    this). Found on the first GPU run: every compile for the H100 skipped the cache."""
+    from jax._src import config as jax_config
+
+    from offload_eqx._targets import compile_memo
+
+    h100 = ox.TARGETS["h100"]
+    kept_out = compile_memo._kept_out_of_the_persistent_cache_if_deviceless
+    default = jax_config.persistent_cache_min_compile_time_secs.value
+    with kept_out(h100):
+        assert jax_config.persistent_cache_min_compile_time_secs.value == float("inf")
+    monkeypatch.setattr(compile_memo, "attached_devices", lambda target: tuple(jax.devices()))
+    with kept_out(h100):
+        assert jax_config.persistent_cache_min_compile_time_secs.value == default
+
+
 def test_only_the_most_recent_programs_are_kept(monkeypatch):
     from offload_eqx._targets import compile_memo
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from jax._src import config as _jax_config  # private: the thread-local form of a setting
 
+from .devices import attached_devices
 from .targets import Target
 
 # The most recent compiled programs are kept (each holds its optimised HLO: 0.3 MB of text
@@ -68,10 +69,12 @@ def compile_once(
 
 @contextlib.contextmanager
 def _kept_out_of_the_persistent_cache_if_deviceless(target: Target) -> Iterator[None]:
-    """For a target other than the CPU: nothing written to JAX's persistent compilation
-    cache (the least compile time it writes is set to infinity), and the warning about
-    reading an entry an earlier deviceless compile wrote kept off the user's terminal."""
-    if not target.deviceless:
+    """For a target compiled without its device: nothing written to JAX's persistent
+    compilation cache (the least compile time it writes is set to infinity), and the
+    warning about reading an entry an earlier deviceless compile wrote kept off the user's
+    terminal. A program compiled for this machine's own accelerator (the target's chip is
+    attached) is an ordinary compile and is cached as any other."""
+    if not target.deviceless or attached_devices(target) is not None:
         yield
         return
     with (

@@ -63,7 +63,7 @@ def require_extra(target: Target) -> None:
 def require_compiler(target: Target) -> None:
     """Raise before any trace when `target`'s compiler cannot run here: its chip is not
     attached and the extra that compiles for it without one is missing or not whole."""
-    if _attached(target) is None:
+    if attached_devices(target) is None:
         require_extra(target)
 
 
@@ -133,7 +133,7 @@ def _devices(target: Target) -> tuple:
 _BACKEND = {"cuda": "gpu", "tpu": "tpu"}
 
 
-def _attached(target: Target) -> tuple | None:
+def attached_devices(target: Target) -> tuple | None:
     """This machine's own accelerators when they are the target's chip, enough of them:
     a program is then compiled for the hardware it runs on (the same compiler, and the
     installed plugin whatever its CUDA version). None otherwise."""
@@ -157,7 +157,7 @@ def target_devices(target: "str | Target") -> tuple:
     """The devices of `target`: this machine's, when it has the target's chip; else
     compile-only ones (deviceless targets)."""
     target = get_target(target)
-    attached = _attached(target)
+    attached = attached_devices(target)
     if attached is not None:
         return attached
     require_extra(target)
