@@ -34,11 +34,22 @@ class Cache:
     def __init__(self):
         # key -> its entry, or, once several types were seen, {types: entry}
         self.entries: dict[Any, Any] = {}
-        # The outputs of the latest call that donated its inputs (see `last_outputs`).
-        self.last_outputs: Any = None
+        # The outputs of the latest call that donated its inputs (see `last_outputs`):
+        # the tree, or `_Weakly` held.
+        self._last_outputs: Any = None
         # The keys each live wrapper (by id) compiled, for `audit=True`'s changed-static
         # check; see `keys_of`.
         self.compiled_by: dict[int, list] = {}
+
+    def keep_outputs(self, outputs: Any, strongly: bool) -> None:
+        """Remember a donating call's outputs: `strongly` (kept alive here), or weakly
+        (while anything else, the loop's names, keeps their arrays alive)."""
+        self._last_outputs = outputs if strongly or outputs is None else _Weakly(outputs)
+
+    @property
+    def last_outputs(self) -> Any:
+        held = self._last_outputs
+        return held.get() if isinstance(held, _Weakly) else held
 
     def keys_of(self, wrapper: Any) -> list:
         """The keys `wrapper` compiled. A wrapper's entry goes with it: a wrapper made
@@ -62,6 +73,23 @@ class Cache:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
         _ALL.add(self)  # emptied by `clear_caches` like every other
+
+
+class _Weakly:
+    """A pytree whose arrays are held by weak references: `get()` gives it back with
+    each array dropped since (by every other holder) as None, or None when every
+    array was."""
+
+    def __init__(self, tree: Any):
+        leaves, self.treedef = jax.tree_util.tree_flatten(tree)
+        self.leaves = [weakref.ref(x) if isinstance(x, jax.Array) else x for x in leaves]
+
+    def get(self) -> Any:
+        refs = [x for x in self.leaves if isinstance(x, weakref.ref)]
+        if refs and all(ref() is None for ref in refs):
+            return None
+        leaves = [x() if isinstance(x, weakref.ref) else x for x in self.leaves]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -113,7 +141,7 @@ def clear_caches() -> None:
     for cache in list(_ALL):
         cache.entries.clear()
         cache.compiled_by.clear()
-        cache.last_outputs = None
+        cache.keep_outputs(None, strongly=False)
     _BY_FUNCTION.clear()
     _OTHERS.clear()
 

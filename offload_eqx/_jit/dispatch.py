@@ -22,7 +22,7 @@ from .._base.errors import ImplicitTransferError, UnhashableStaticError, is_plac
 from .._plan.walk import ARRAY_TYPES
 from .call_errors import abstract_problem, call_problem
 from .guard import explain, no_implicit_transfers
-from .interrupts import deliver_pending, hold, release
+from .interrupts import deliver_pending, hold, interrupt_waiting, release
 from .retrace import Misplaced, NewArgumentTypes, types_of
 from .runtime_errors import equinox_error, quiet_callback_failures
 
@@ -134,14 +134,17 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
         dynamic = self._distinct(entry, dynamic)
     # The inputs are donated from here on: the outputs are the only copy of the state.
     cache = _get(self, "cache")
-    cache.last_outputs = None
+    cache.keep_outputs(None, strongly=False)
     holding = hold()
     try:
-        cache.last_outputs = _execute(self, entry, key, args, kwargs, dynamic)
+        outputs = _execute(self, entry, key, args, kwargs, dynamic)
     finally:
         if holding:
             release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
-    return cache.last_outputs
+    # Held for good only if a Ctrl-C waits: otherwise the loop's names hold them, and a
+    # reference here would keep a finished run's state in device memory.
+    cache.keep_outputs(outputs, strongly=interrupt_waiting())
+    return outputs
 
 
 def _refuse_abstract(self: Any, args: tuple, kwargs: dict) -> None:

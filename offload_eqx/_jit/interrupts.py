@@ -16,21 +16,25 @@ loop rebinds its names, and the interrupt is delivered
   or does something else: an evaluation, a checkpoint).
 
 Either way the loop's names hold the last step's outputs when `KeyboardInterrupt` is
-raised. At any other time the handler hands the signal straight to the previous one.
+raised. A Ctrl-C that arrives within `GRACE` seconds after a donating call returned (the
+outputs on their way to the loop's names) is held the same way. At any other time the
+handler hands the signal straight to the previous one.
 Each donating call checks that the handler is still in front (a handler the program
 installs later is chained behind it again) and sets a counter: a few microseconds.
 """
 
 import _thread
+import math
 import signal
 import threading
+import time
 from typing import Any
 
 _INTERRUPTED = (
-    "Ctrl-C arrived while {caller} ran a step that donates its inputs: the step was let "
-    "finish and returned its outputs, so the names your loop bound to them hold the "
-    "state (and `step.last_outputs` keeps them too); it is delivered now, before "
-    "anything more was donated."
+    "Ctrl-C arrived while (or just after) {caller} ran a step that donates its inputs: "
+    "the step was let finish and returned its outputs, so the names your loop bound to "
+    "them hold the state (and `step.last_outputs` keeps them too); it is delivered now, "
+    "before anything more was donated."
 )
 _MAIN = threading.main_thread().ident
 GRACE = 0.5  # seconds a held Ctrl-C waits for the next donating call
@@ -45,6 +49,8 @@ class _Hold:
     pending: str | None = None  # the caller whose held Ctrl-C awaits delivery
     timer: threading.Timer | None = None
     previous: Any = None
+    released_at = -math.inf  # when the latest donating call returned (time.monotonic)
+    released_by = ""  # and its caller
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -53,6 +59,10 @@ def _handler(signum: int, frame: Any) -> None:
     elif _Hold.pending is not None:
         _take_pending()
         _deliver(signum, frame, None)
+    elif time.monotonic() - _Hold.released_at < GRACE:
+        # Just after a donating call returned: its outputs may not be bound to the
+        # loop's names yet. Held like one that arrived during the call.
+        _pend(_Hold.released_by)
     else:
         _Hold.previous(signum, frame)
 
@@ -109,9 +119,22 @@ def release(caller: str) -> None:
     """Stop holding; a Ctrl-C that arrived meanwhile waits for the next donating call
     (or `GRACE` seconds), so that the outputs this call returns reach the loop's names."""
     _Hold.running -= 1
-    if _Hold.running or _Hold.held is None:
+    if _Hold.running:
         return  # an enclosing donating call delivers it
+    _Hold.released_at, _Hold.released_by = time.monotonic(), caller
+    if _Hold.held is None:
+        return
     _Hold.held = None
+    _pend(caller)
+
+
+def interrupt_waiting() -> bool:
+    """Whether a Ctrl-C held during a donating call waits for delivery."""
+    return _Hold.pending is not None
+
+
+def _pend(caller: str) -> None:
+    """Deliver the held Ctrl-C at the next donating call, or after `GRACE` seconds."""
     _Hold.pending = caller
     if _Hold.timer is None:
         _Hold.timer = threading.Timer(GRACE, _timer_fired)

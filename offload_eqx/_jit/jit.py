@@ -237,8 +237,11 @@ class FilterJit(eqx.Module):
         A Ctrl-C in a training loop can arrive after a step has donated (deleted) its
         inputs and before the loop has rebound its names to the outputs; the wrapper
         holds it until the loop has them (it is raised by the next donating call, before
-        that call donates), and keeps the outputs here as well. (A wrapper that donates
-        nothing keeps nothing.)"""
+        that call donates), and then keeps the outputs here as well. Otherwise they are
+        held weakly: given here while the loop's names (or anything else) keep them (an
+        array dropped since, such as a loss the loop did not keep, is None), and None
+        once all are dropped, so a finished run's state does not stay in device memory.
+        (A wrapper that donates nothing keeps nothing.)"""
         return self.cache.last_outputs
 
     @property
