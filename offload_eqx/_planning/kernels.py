@@ -195,7 +195,9 @@ def _taps_on_input(instruction: Instruction, sizes: list[int | None]) -> float:
 
 
 def _gemm_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
-    """A cuBLAS gemm custom call: its dot's dimensions are in the backend configuration."""
+    """A cuBLAS gemm custom call (`__cublas$gemm`, or cuBLASLt's `__cublas$lt$matmul`,
+    which XLA:GPU picks when it autotunes on an attached GPU): its dot's dimensions are
+    in the backend configuration."""
     result = _first(instruction.type)
     lhs = _first(module.operand_type(computation, instruction.operands[0]))
     match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
@@ -236,7 +238,7 @@ def own_flops(module: Module, computation: Computation, instruction: Instruction
         return convolution_flops(module, computation, instruction)
     if instruction.opcode == "custom-call":
         target = instruction.attribute("custom_call_target") or ""
-        if "gemm" in target.lower():
+        if "gemm" in target.lower() or target.startswith("__cublas$lt$matmul"):
             return _gemm_flops(module, computation, instruction)
         if target.startswith("__cudnn$conv"):
             return convolution_flops(module, computation, instruction)
@@ -416,7 +418,7 @@ def instruction_work(
         return Work()
     if opcode == "custom-call":
         return custom_call_work(module, computation, instruction, table)
-    if opcode == "fusion":
+    if opcode in ("fusion", "fusion-start"):  # an asynchronous fusion: the same kernel
         return fusion_work(module, computation, instruction)
     if opcode in _SLICING:  # reads what it returns
         buffer = module.operand_type(computation, instruction.operands[0])
