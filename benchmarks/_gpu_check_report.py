@@ -121,22 +121,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}`: {result['seconds']:.0f} s of {result['budget_seconds']:.0f} "
         f"({took}).",
         "",
-        "## 1. Equivalence",
-        "",
-        *_equivalence(parts["equivalence"]),
-        "",
-        "## 2 and 4. Predicted against measured: time and memory",
-        "",
-        *_timing(parts["timing"], parts["memory"]),
-        "",
-        "## 3. ox.fit against the hardware",
-        "",
-        *_fit(parts["fit"]),
-        "",
-        "## 5. The link",
-        "",
-        *_link(parts["link"]),
     ]
+    sections = (
+        ("equivalence", "1. Equivalence", lambda: _equivalence(parts["equivalence"])),
+        (
+            "timing",
+            "2 and 4. Predicted against measured: time and memory",
+            lambda: _timing(parts["timing"], parts["memory"]),
+        ),
+        ("fit", "3. ox.fit against the hardware", lambda: _fit(parts["fit"])),
+        ("link", "5. The link", lambda: _link(parts["link"])),
+    )
+    for part, title, body in sections:
+        if part in parts:  # `--parts` may have left it out
+            lines += [f"## {title}", "", *body(), ""]
+    lines.pop()
     if result["skipped"]:
         lines += ["", "## Skipped", "", *(f"- {s}" for s in result["skipped"])]
     return "\n".join(lines) + "\n"

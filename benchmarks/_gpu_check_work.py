@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import step_time  # also puts experiments/ on sys.path
 from step_time import MLP, ScanLayer, ScanModel, scan_grad
 
@@ -71,11 +72,24 @@ def scan_workload(sizes: dict[str, int], dtype: Any) -> Workload:
     return Workload(f"tutorial scan {jnp.dtype(dtype).name}", scan_grad, arguments)
 
 
-def decoder_workload(config: Any, batch: int, dtype: Any, grads: bool = False) -> Workload:
+# Adam's epsilon for the equivalence: there an update must be a smooth function of the
+# gradient. With optax's 1e-8, Adam's first steps move each weight by about
+# `lr * sign(g)`, so a gradient within rounding of zero (a different but equally right
+# order of summation under another strategy) flips a whole `2 * lr` step. With 1e-3 the
+# update moves by at most `lr / eps` times the gradient's change.
+SMOOTH_EPS = 1e-3
+
+
+def decoder_workload(
+    config: Any, batch: int, dtype: Any, grads: bool = False, smooth: bool = False
+) -> Workload:
     """The experiments' decoder (`experiments/_decoder.py`: its own attention, RMSNorm,
     SwiGLU, `ox.scan` over the layers) and a full AdamW step, state offloadable; with
-    `grads` the step returns the gradients too (the equivalence compares them)."""
+    `grads` the step returns the gradients too (the equivalence compares them); with
+    `smooth` AdamW's epsilon is `SMOOTH_EPS`."""
     optimizer = _decoder.make_optimizer()
+    if smooth:
+        optimizer = ox.offload_optimizer(optax.adamw(1e-3, weight_decay=0.01, eps=SMOOTH_EPS))
 
     def train_step(model, opt_state, tokens):
         loss, gradients = eqx.filter_value_and_grad(_decoder.loss_fn)(model, tokens)
@@ -98,13 +112,16 @@ def optimizer_loss(model: MLP, x):
     return jnp.mean((model(x) - x) ** 2) + l2
 
 
-def optimizer_workload(dim: int, dtype: Any, update: str) -> Workload:
+def optimizer_workload(dim: int, dtype: Any, update: str, smooth: bool = False) -> Workload:
     """The tutorial's 4-layer GELU MLP with clipped Adam through `ox.offload_optimizer`:
     `update` is "device", "host" (`update_on="host"`) or "delayed" (`update_on="host",
-    delay=1`)."""
+    delay=1`); with `smooth` Adam's epsilon is `SMOOTH_EPS`."""
     options = {"device": {}, "host": {"update_on": "host"}}
     delayed = {"update_on": "host", "delay": 1}
-    optimizer = ox.offload_optimizer(_tutorial.OPTIMIZER, **options.get(update, delayed))
+    inner = _tutorial.OPTIMIZER
+    if smooth:
+        inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1, eps=SMOOTH_EPS))
+    optimizer = ox.offload_optimizer(inner, **options.get(update, delayed))
 
     def train_step(model, opt_state, x):
         grads = jax.grad(optimizer_loss)(model, x)

@@ -63,6 +63,22 @@ def test_smoke_runs_every_part_and_the_equivalence_passes(tmp_path):
     assert path.with_suffix(".md").read_text().count("| ") > 10
 
 
+def test_parts_runs_the_parts_named_and_refuses_an_unknown_one(tmp_path):
+    """A second call on a lent GPU reruns only what changed (`--parts`)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--smoke", "--out"]
+    command += [str(tmp_path), "--parts", "link"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("gpu_check-*.json")
+    assert set(json.loads(path.read_text())["parts"]) == {"link"}
+    text = path.with_suffix(".md").read_text()
+    assert "## 5. The link" in text and "## 1. Equivalence" not in text
+    command[-1] = "link,memory"
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "unknown ['memory']" in done.stderr
+
+
 def test_a_case_that_would_overrun_is_skipped_and_named(parts_module):
     clock = parts_module.Clock(100, {"first": 50, "second": 30})
     clock.begin("first")  # may use what "second" does not need: 70 s
