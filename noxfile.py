@@ -47,7 +47,11 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[test,checkpoint,cuda,tpu]")
     # The slowest tests, printed at the end, and a test's setup or call over the budget
     # (tests/time_budget.py) fails the run: the next feature cannot add minutes unseen.
-    _pytest(session, *PARALLEL, "--durations=25", "--time-budget", "-m", "not multidevice")
+    # With `--full`, every module is type-checked at run time (pyproject.toml leaves the
+    # step-time model's inner loops out of the default session).
+    every = ("--jaxtyping-packages=offload_eqx,beartype.beartype",)
+    checks = every if "--full" in session.posargs else ()
+    _pytest(session, *PARALLEL, "--durations=25", "--time-budget", *checks, "-m", "not multidevice")
 
 
 @nox.session(python=PYTHON)

@@ -56,3 +56,29 @@ def test_a_test_over_the_budget_fails_the_run_and_is_named(project):
 def test_full_and_unbudgeted_runs_are_not_held_to_it(project, options):
     result = project.runpytest_subprocess("-p", "no:cacheprovider", *options)
     assert result.ret == pytest.ExitCode.OK
+
+
+# Left out of the default session's runtime type checks (pyproject.toml's addopts), for
+# time: the step-time model's inner loops. `nox -s tests -- --full` checks them too.
+UNCHECKED = {f"offload_eqx._planning.{m}" for m in ("flops", "fused", "hlo", "kernels", "schedule")}
+
+
+def test_every_module_is_type_checked_at_run_time_but_the_step_time_models_loops():
+    """A module added to the package is checked unless it is added to `UNCHECKED` too."""
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]
+    [listed] = [
+        a.split("=", 1)[1].split(",")[:-1]
+        for a in options["ini_options"]["addopts"]
+        if a.startswith("--jaxtyping-packages=")
+    ]
+    modules = {
+        ".".join(path.relative_to(root).with_suffix("").parts)
+        for path in (root / "offload_eqx").rglob("*.py")
+        if path.name != "__init__.py"  # re-exports only
+    }
+    checked = {m for m in modules if any(m == p or m.startswith(p + ".") for p in listed)}
+    assert modules - checked == UNCHECKED
+    assert set(listed) <= modules | {p.rsplit(".", 1)[0] for p in modules}  # none stale
