@@ -5,6 +5,8 @@ error and the part goes on (on a GPU, one strategy running out of memory must no
 the others' numbers).
 """
 
+import gzip
+import os
 import time
 import traceback
 from typing import Any
@@ -235,9 +237,33 @@ def _predicted(workload: Workload, strategy: Any, target: str) -> dict[str, Any]
     }
 
 
-def timing(timed: list[dict], target: str, clock: Clock, batches: int, calls: int) -> dict:
+# A prediction off by more than this factor either way keeps its compiled program.
+OFF_BY = 1.5
+KEPT_PROGRAMS = 4  # at most, beside the JSON, the markdown and the log
+
+
+def save_program(workload: Workload, strategy: Any, path: str) -> str:
+    """The step's compiled program as the attached device runs it (`as_text()`, gzipped
+    at `path`): what the simulation priced, to read after the GPU has gone back."""
+    step = workload.step(strategy)
+    text = step.lower(*workload.abstract()).compile().as_text()
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    return os.path.basename(path)
+
+
+def timing(
+    timed: list[dict],
+    target: str,
+    clock: Clock,
+    batches: int,
+    calls: int,
+    keep: str | None = None,
+) -> dict:
     """Each strategy of each workload: `ox.estimate` (compiled for `target`, simulated)
-    beside the measured median, and device memory as the allocator saw it."""
+    beside the measured median, and device memory as the allocator saw it. With `keep`
+    (a directory), a step predicted `OFF_BY` or more off keeps its compiled program
+    there (the first `KEPT_PROGRAMS` of them)."""
     rows = []
     for case in timed:
         workload = case["workload"]
@@ -259,6 +285,14 @@ def timing(timed: list[dict], target: str, clock: Clock, batches: int, calls: in
             if row.get("predicted_seconds") and row.get("median_seconds"):
                 row["ratio"] = row["predicted_seconds"] / row["median_seconds"]
             print(f"  {workload.name} / {strategy}: {_timing_line(row)}", flush=True)
+            off = max(row.get("ratio", 1.0), 1 / row.get("ratio", 1.0)) >= OFF_BY
+            if keep and off and sum("program" in r for r in rows) < KEPT_PROGRAMS:
+                name = f"{workload.name}-{strategy}".replace(" ", "_").replace("(", "")
+                path = os.path.join(keep, name.replace(")", "") + ".hlo.gz")
+                try:
+                    row["program"] = save_program(workload, strategy, path)
+                except Exception as error:  # noqa: BLE001 - the timing stands without it
+                    row["program_error"] = _error(error)
             rows.append(row)
     return {"rows": rows, "target": target, "batches": batches, "calls_per_batch": calls}
 

@@ -192,7 +192,11 @@ PARTS = ("equivalence", "link", "timing", "fit")
 
 
 def run(
-    size: str, seconds: float, target: str | None, only: tuple[str, ...] = PARTS
+    size: str,
+    seconds: float,
+    target: str | None,
+    only: tuple[str, ...] = PARTS,
+    keep: str | None = None,
 ) -> dict[str, Any]:
     backend = jax.default_backend()
     target = target or step_time.DEFAULT_TARGETS.get(backend, "h100")
@@ -227,7 +231,7 @@ def run(
     if "link" in only:
         parts["link"] = part("link", lambda: link(_link_sizes(size), 3 if size == "smoke" else 5))
     if "timing" in only:
-        parts["timing"] = part("timing", lambda: timing(timed, target, clock, *calls))
+        parts["timing"] = part("timing", lambda: timing(timed, target, clock, *calls, keep))
         parts["memory"] = memory(parts["timing"])
     if "fit" in only:
         parts["fit"] = part("fit", lambda: fit_check(fit_case, target, clock, *calls))
@@ -265,10 +269,12 @@ def main() -> int:
         print(f"gpu_check.py needs a GPU (backend {jax.default_backend()!r}); --smoke runs it tiny")
         return 0
     size = "smoke" if args.smoke else "gpu"
-    result = run(size, args.seconds or (60 if args.smoke else 480), args.target, only)
+    os.makedirs(args.out, exist_ok=True)
+    # On the GPU, a step predicted far off keeps its compiled program beside the results.
+    keep = None if args.smoke else args.out
+    result = run(size, args.seconds or (60 if args.smoke else 480), args.target, only, keep)
     text = markdown(result)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"gpu_check-{result['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,6 +78,24 @@ def test_parts_runs_the_parts_named_and_refuses_an_unknown_one(tmp_path):
     command[-1] = "link,memory"
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "unknown ['memory']" in done.stderr
+
+
+def test_a_step_predicted_far_off_keeps_its_compiled_program(parts_module, tmp_path, monkeypatch):
+    """On the first GPU run two predictions were 3.5 and 6 times off, and the reason was
+    in the compiled programs, which had to be fetched by another call: a step predicted
+    `OFF_BY` or more off now leaves its program beside the results."""
+    import gzip
+
+    work = sys.modules["_gpu_check_work"]
+    scan = work.scan_workload(dict(layers=2, batch=8, width=16, hidden=32), np.float32)
+    monkeypatch.setattr(parts_module, "OFF_BY", 1.0)  # every step counts as far off
+    clock = parts_module.Clock(300, {"timing": 300})
+    clock.begin("timing")
+    cases = [{"workload": scan, "strategies": ("baseline",), "prior": 1}]
+    result = parts_module.timing(cases, "cpu", clock, 1, 1, keep=str(tmp_path))
+    [row] = result["rows"]
+    assert row["program"] == "tutorial_scan_float32-baseline.hlo.gz"
+    assert gzip.open(tmp_path / row["program"], "rt").read().startswith("HloModule")
 
 
 def test_a_case_that_would_overrun_is_skipped_and_named(parts_module):
