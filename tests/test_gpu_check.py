@@ -88,14 +88,19 @@ def test_a_step_predicted_far_off_keeps_its_compiled_program(parts_module, tmp_p
 
     work = sys.modules["_gpu_check_work"]
     scan = work.scan_workload(dict(layers=2, batch=8, width=16, hidden=32), np.float32)
-    monkeypatch.setattr(parts_module, "OFF_BY", 1.0)  # every step counts as far off
+    # Predicted 3 times the measured time (the estimate and the runs stand in).
+    predicted = {"remat": 0.003, "baseline": 0.0012}
+    monkeypatch.setattr(
+        parts_module, "_predicted", lambda w, s, t: {"predicted_seconds": predicted[s]}
+    )
+    monkeypatch.setattr(parts_module, "measure", lambda *a: {"median_seconds": 0.001})
     clock = parts_module.Clock(300, {"timing": 300})
     clock.begin("timing")
-    cases = [{"workload": scan, "strategies": ("baseline",), "prior": 1}]
-    result = parts_module.timing(cases, "cpu", clock, 1, 1, keep=str(tmp_path))
-    [row] = result["rows"]
-    assert row["program"] == "tutorial_scan_float32-baseline.hlo.gz"
-    assert gzip.open(tmp_path / row["program"], "rt").read().startswith("HloModule")
+    cases = [{"workload": scan, "strategies": ("remat", "baseline"), "prior": 1}]
+    rows = parts_module.timing(cases, "cpu", clock, 1, 1, keep=str(tmp_path))["rows"]
+    assert rows[0]["program"] == "tutorial_scan_float32-remat.hlo.gz"
+    assert gzip.open(tmp_path / rows[0]["program"], "rt").read().startswith("HloModule")
+    assert "program" not in rows[1]  # 1.2 times off: within OFF_BY
 
 
 def test_a_case_that_would_overrun_is_skipped_and_named(parts_module):
