@@ -128,22 +128,24 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
         entry = self._compile_new(key, args, kwargs, dynamic)
         dynamic = entry.moved(dynamic)
     if not entry.donate_argnums:
-        return _execute(self, entry, key, args, kwargs, dynamic)
+        entry, flat = _execute(self, entry, key, args, kwargs, dynamic)
+        return entry.rebuild(flat)
     deliver_pending()  # a Ctrl-C held during the previous call: now, before donating
     if len(set(map(id, dynamic))) < len(dynamic):
         dynamic = self._distinct(entry, dynamic)
     # The inputs are donated from here on: the outputs are the only copy of the state.
     cache = _get(self, "cache")
-    cache.keep_outputs(None, strongly=False)
+    cache.keep_outputs(None)
     holding = hold()
     try:
-        outputs = _execute(self, entry, key, args, kwargs, dynamic)
+        entry, flat = _execute(self, entry, key, args, kwargs, dynamic)
     finally:
         if holding:
             release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
+    outputs = entry.rebuild(flat)
     # Held for good only if a Ctrl-C waits: otherwise the loop's names hold them, and a
     # reference here would keep a finished run's state in device memory.
-    cache.keep_outputs(outputs, strongly=interrupt_waiting())
+    cache.keep_outputs(outputs, flat, entry.rebuild, strongly=interrupt_waiting())
     return outputs
 
 
@@ -154,9 +156,9 @@ def _refuse_abstract(self: Any, args: tuple, kwargs: dict) -> None:
         raise problem
 
 
-def _execute(self, entry, key, args, kwargs, dynamic) -> Any:
+def _execute(self, entry, key, args, kwargs, dynamic) -> tuple[Any, list]:
     """Call the entry's program (moving misplaced arguments, compiling again for new
-    types) and rebuild the outputs."""
+    types): the entry that ran and its flat outputs (`entry.rebuild` makes the tree)."""
     try:
         out = _run(entry, dynamic)
     except NewArgumentTypes:  # traced again for other types: an entry of its own
@@ -176,12 +178,12 @@ def _execute(self, entry, key, args, kwargs, dynamic) -> Any:
     except ValueError as e:
         if entry.types != types_of(dynamic):  # refused by jit before any retrace
             entry = self._compile_new(key, args, kwargs, dynamic)
-            return entry.rebuild(_run(entry, entry.moved(dynamic)))
+            return entry, _run(entry, entry.moved(dynamic))
         if not is_placement_mismatch(e):
             raise
         if self.mesh_changed(entry, args, kwargs):  # planned again for their mesh
             entry = self._compile_new(key, args, kwargs, dynamic)
-            return entry.rebuild(_run(entry, entry.moved(dynamic)))
+            return entry, _run(entry, entry.moved(dynamic))
         # Arguments not yet where the plan puts them (a new strategy on a model placed for
         # another): move them once, explicitly; the outputs come back in planned memory,
         # so the next call moves nothing. Under audit, a cached step that keeps receiving
@@ -189,7 +191,7 @@ def _execute(self, entry, key, args, kwargs, dynamic) -> Any:
         if _get(self, "audit"):
             _raise_misplaced(entry, dynamic)
         out = _run(entry, entry.moved(dynamic))
-    return entry.rebuild(out)
+    return entry, out
 
 
 def _run(entry: Any, dynamic: list) -> list:
