@@ -234,6 +234,24 @@ def test_ctrl_c_just_after_a_donating_step_returned_is_held_too(python_sigint):
     assert not model.layers[0].weight.is_deleted()
 
 
+def test_the_timers_signal_for_an_interrupt_already_delivered_is_dropped(python_sigint):
+    """The grace timer sends SIGINT to the main thread for a held Ctrl-C; if a donating
+    call delivered that Ctrl-C first, the signal still arrived and raised a second
+    `KeyboardInterrupt` wherever Python was (seen in the test session inside JAX's
+    garbage-collection callback, "Exception ignored")."""
+    from offload_eqx._jit import interrupts
+
+    opt, step = _train_step()
+    x, scale = jnp.ones((3, 4)), jnp.float32(1.0)
+    model, opt_state, _, _ = step(_mlp(), opt.init(eqx.filter(_mlp(), eqx.is_array)), x, scale)
+    interrupts._Hold.fired = True  # the timer fired; the interrupt was delivered since
+    signal.raise_signal(signal.SIGINT)  # its signal arrives now: nothing is raised
+    assert not interrupts._Hold.fired
+    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C of the user's is not dropped
+        time.sleep(1)  # past the grace after the last step
+        signal.raise_signal(signal.SIGINT)
+
+
 def test_a_finished_runs_state_leaves_device_memory():
     """`last_outputs` kept the latest donating call's outputs in the function's cache
     for as long as the function lived: on the first GPU run, each strategy tried in turn

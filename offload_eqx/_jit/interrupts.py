@@ -51,9 +51,15 @@ class _Hold:
     previous: Any = None
     released_at = -math.inf  # when the latest donating call returned (time.monotonic)
     released_by = ""  # and its caller
+    fired = False  # the timer sent the signal now on its way to the main thread
 
 
 def _handler(signum: int, frame: Any) -> None:
+    fired, _Hold.fired = _Hold.fired, False
+    if fired and _Hold.pending is None:
+        # The timer's signal for an interrupt a donating call delivered meanwhile (it
+        # raised at its start): already raised once, not again wherever Python is now.
+        return
     if _Hold.running:
         _Hold.held = frame
     elif _Hold.pending is not None:
@@ -93,6 +99,7 @@ def _take_pending() -> str | None:
 
 def _timer_fired() -> None:
     if _Hold.pending is not None and not _Hold.running:
+        _Hold.fired = True
         _thread.interrupt_main(signal.SIGINT)  # runs `_handler`, which delivers it
 
 
