@@ -68,6 +68,7 @@ class _Origin:
     kind: str  # parameter, optimizer, input, activation, gradient
     what: str
     fetched_in: str | None = None  # phase in which a host leaf's device copy was made
+    cast: bool = False  # the leaf in another dtype (a master cast to its parameter's)
 
 
 def _is_device(aval) -> bool:
@@ -170,7 +171,10 @@ class _Walker:
                         whole = prim != "gather" and np.prod(out.aval.shape) == np.prod(
                             var.aval.shape
                         )
-                        env[out] = source if whole else dataclasses.replace(source, fetched_in=None)
+                        seen = source if whole else dataclasses.replace(source, fetched_in=None)
+                        if out.aval.dtype != var.aval.dtype:
+                            seen = dataclasses.replace(seen, cast=True)
+                        env[out] = seen
             elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 if prim == "compute_on" and is_host_computation(eqn):
                     self._host_computation(eqn, stack, count, eqn_phase, where)
@@ -273,10 +277,10 @@ class _Walker:
         step's arguments), a label the library put on it, the host leaf whose fetch it
         transposes (a gradient), or the output it is written into (a new optimizer state,
         an updated weight)."""
+        if label is not None and (source is None or source.cast):
+            return label  # a leaf cast is another value: the library's word names it
         if source is not None:
             return source.kind, source.what
-        if label is not None:
-            return label
         if to_host and phase == "backward":
             fetched = self._transposed_fetch(traceback, fetches)
             if fetched is not None:
