@@ -289,3 +289,37 @@ def rotated(
                 )
             )
     return params
+
+
+# -- float32 masters for a bfloat16 model, from the definition -----------------------------
+
+
+def to_bf16(tree):
+    """Every floating-point array leaf of `tree` in bfloat16."""
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, tree
+    )
+
+
+def masters_reference(model32, loss, x, tx, steps: int, delay: bool = False, grad=None):
+    """Plain JAX + optax: float32 masters, the bfloat16 model cast from them, `tx` on the
+    masters (updates in float32), `delay`: each step applies the previous step's
+    gradients, the last ones applied at the end. Returns the masters. `grad(model, x)`:
+    the gradients (`jax.grad(loss)` by default)."""
+    grad = jax.grad(loss) if grad is None else grad
+    masters = eqx.filter(model32, eqx.is_array)
+    state, pending = tx.init(masters), None
+    for _ in range(steps):
+        model = to_bf16(eqx.combine(masters, model32))
+        grads = eqx.filter(grad(model, x), eqx.is_array)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        if delay:
+            grads, pending = pending, grads
+            if grads is None:
+                continue
+        updates, state = tx.update(grads, state, masters)
+        masters = optax.apply_updates(masters, updates)
+    if pending is not None:
+        updates, state = tx.update(pending, state, masters)
+        masters = optax.apply_updates(masters, updates)
+    return masters

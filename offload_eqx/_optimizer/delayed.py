@@ -62,7 +62,7 @@ class DelayedUpdate:
 
         labels = ("updates", "opt_state.inner.state")
         updates, inner = when_ready(state.ready, full, kept, labels)
-        return updates, Delayed(inner, grads, jnp.asarray(True))
+        return updates, Delayed(inner, as_pending(grads, state.pending), jnp.asarray(True))
 
 
 def delayed(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -73,6 +73,14 @@ def delayed(tx: optax.GradientTransformation) -> optax.GradientTransformationExt
         return Delayed(tx.init(params), pending, jnp.asarray(False))
 
     return optax.GradientTransformationExtraArgs(cast(Any, init), cast(Any, DelayedUpdate(tx)))
+
+
+def as_pending(grads: Any, pending: Any) -> Any:
+    """The step's gradients as the new pending ones, each in the dtype of the pending
+    gradient it replaces, so that the state's types never change between steps (an
+    optimizer with masters initialised from float32 parameters keeps float32 pending
+    gradients for a bfloat16 model)."""
+    return jax.tree_util.tree_map(lambda g, old: g.astype(old.dtype), grads, pending)
 
 
 def delayed_tx(inner: Any) -> optax.GradientTransformation | None:

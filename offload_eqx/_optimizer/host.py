@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import optax
 
 from .._sharding.host_compute import on_host
-from .._sharding.memory_space import is_host_typed, labelled, to_host
-from .delayed import Delayed, delayed_tx, when_ready, zeros
+from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .delayed import Delayed, as_pending, delayed_tx, when_ready, zeros
+from .masters import value_writer
 from .state import (
     NAME,
     call_update,
@@ -36,6 +37,8 @@ from .state import (
     check_ours,
     eval_shape,
     flatten_transfers,
+    host_mask,
+    on_device,
     shapes,
     trainable,
 )
@@ -63,6 +66,28 @@ def _add(param: Any, update: Any) -> Any:
     return param if update is None else (param + update).astype(param.dtype)
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _split_by(host: Any, values: Any) -> tuple[Any, Any]:
+    """`(values of the parameters in `host`, values of the others)`, each None elsewhere."""
+    mine = jax.tree_util.tree_map(
+        lambda p, v: None if p is None else v, host, values, is_leaf=_is_none
+    )
+    others = jax.tree_util.tree_map(
+        lambda p, v: v if p is None else None, host, values, is_leaf=_is_none
+    )
+    return mine, others
+
+
+def _placed_like(mask: Any, tree: Any) -> Any:
+    """Each leaf of `tree` in host memory where `mask` says, on the device elsewhere."""
+    return jax.tree_util.tree_map(
+        lambda was_host, x: to_host(x) if was_host else to_device(x), mask, tree
+    )
+
+
 def apply_on_host(params: Any, updates: Any) -> Any:
     """`params + updates` where both are host-typed, in one host computation; other
     leaves are returned as they are (None where there is nothing to add)."""
@@ -84,6 +109,33 @@ def apply_on_host(params: Any, updates: Any) -> Any:
         host_updates,
         flatten=flatten_transfers(),
         name="apply updates",
+    )
+
+
+def combine_results(model: Any, updates: Any, new_values: Any, values: bool = False) -> Any:
+    """`model + updates` leaf by leaf, where `new_values` (the model's structure) holds the
+    new value of each leaf already computed (summed on the host, written from a master),
+    None elsewhere. With `values`, `updates` are new values too (host-typed, cast from
+    masters on the host): fetched, not added."""
+    if updates is None:
+        updates = jax.tree_util.tree_map(lambda _: None, new_values)
+
+    def apply(path, update, param, new):
+        if new is not None:
+            return new
+        if update is None:
+            return param
+        if values:
+            with labelled("parameter", "params" + jax.tree_util.keystr(path)):
+                return to_device(update)
+        with labelled("update", "updates" + jax.tree_util.keystr(path)):
+            fetched = to_device(update)
+        if is_host_typed(param):
+            return to_host((to_device(param) + fetched).astype(param.dtype))
+        return (param + fetched).astype(param.dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        apply, updates, model, new_values, is_leaf=lambda x: x is None
     )
 
 
@@ -146,27 +198,40 @@ class HostUpdate:
 
         Delayed (`delay=1`), the computation applies the *pending* gradients and reads
         nothing the step computes, so it overlaps the step's forward and backward
-        passes; the step's own gradients are sent to host memory as the new pending ones."""
+        passes; the step's own gradients are sent to host memory as the new pending ones.
+
+        With masters (`writes_values`), the second result holds the new *values* of the
+        parameters on the device (cast from their masters on the host: they cross in
+        the parameters' dtype), not updates."""
         grads, given = self._operands(grads, state, params, extra_args)
         tx, applied, inner_state, ready = self._split(grads, state)
         host = jax.tree_util.tree_map(lambda p: p if is_host_typed(p) else None, trainable(params))
 
+        writer = value_writer(tx)
+        likes = shapes(trainable(params))  # the parameters' dtypes, for their new values
+
         def update(grads, inner_state, given, host, extra_args, ready):
             def full():
+                if writer is not None:  # masters: every parameter written from its own
+                    new_values, new_inner = writer.values(grads, inner_state, extra_args, likes)
+                    return (*_split_by(host, new_values), new_inner)
                 updates, new_inner = call_update(tx, grads, inner_state, given, extra_args)
-                is_none = lambda x: x is None  # noqa: E731
                 new_host = jax.tree_util.tree_map(
-                    lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=is_none
+                    lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=_is_none
                 )
                 others = jax.tree_util.tree_map(
-                    lambda p, u: u if p is None else None, host, updates, is_leaf=is_none
+                    lambda p, u: u if p is None else None, host, updates, is_leaf=_is_none
                 )
                 return new_host, others, new_inner
 
+            def kept(shapes):
+                if writer is not None:
+                    current = writer.current(inner_state, likes)
+                    return (*_split_by(host, current), inner_state)
+                return host, zeros(shapes[1]), inner_state
+
             labels = ("params", "updates", "opt_state.inner.state")
-            return when_ready(
-                ready, full, lambda shapes: (host, zeros(shapes[1]), inner_state), labels
-            )
+            return when_ready(ready, full, kept, labels)
 
         new_host, others, new_inner = on_host(
             update,
@@ -186,6 +251,45 @@ class HostUpdate:
             ),
         )
         return new_host, others, self._stored(state, new_inner, grads)
+
+    @property
+    def writes_values(self) -> bool:
+        """Whether the update writes the parameters' new values (masters) rather than
+        updates to add."""
+        return value_writer(delayed_tx(self.inner) or self.inner) is not None
+
+    def device_update_and_apply(
+        self, grads: Any, state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        """For an optimizer with masters, on the device: the state fetched whole (as the
+        device update does), every trained parameter written from its new master and
+        put back in its memory. Returns `(new values, new state)`, the values in the
+        parameters' structure (None where nothing is trained)."""
+        grads, _ = self._operands(grads, state, params, extra_args)
+        tx, applied, inner_state, ready = self._split(grads, state)
+        writer = value_writer(tx)
+        mask = host_mask(state.inner)
+        inner_state, applied = on_device(inner_state), on_device(applied)
+        ready = None if ready is None else to_device(ready)
+
+        likes = trainable(params)  # their dtypes only
+
+        def full():
+            return writer.values(applied, inner_state, extra_args, likes)
+
+        def kept(shapes):
+            return writer.current(inner_state, likes), inner_state
+
+        new_values, new_inner = when_ready(ready, full, kept, ("params", "opt_state.inner.state"))
+        if delayed_tx(self.inner) is not None:
+            pending = as_pending(grads, state.inner.pending)
+            new_inner = Delayed(new_inner, pending, jnp.asarray(True))
+        placed = jax.tree_util.tree_map(
+            lambda v, p: to_host(v) if is_host_typed(p) else v,
+            new_values,
+            trainable(params),
+        )
+        return placed, type(state)(_placed_like(mask, new_inner))
 
     def _name(self, name: str) -> str:
         """The host computation's name: `delayed ...` for a delayed update (which the
@@ -208,7 +312,8 @@ class HostUpdate:
         if delayed_tx(self.inner) is None:
             return type(state)(new_inner)
         pending = jax.tree_util.tree_map_with_path(
-            lambda path, g: _to_host_labelled(g, "grads" + jax.tree_util.keystr(path)), grads
+            lambda path, g: _to_host_labelled(g, "grads" + jax.tree_util.keystr(path)),
+            as_pending(grads, state.inner.pending),
         )
         return type(state)(Delayed(new_inner, pending, to_host(jnp.asarray(True))))
 

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import optax
 
 from .._declare.placement import UPDATES, check_memory
-from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .._sharding.memory_space import is_host_typed, to_host
 from .._trace.state import active_plan
 from .delayed import DELAYS, Delayed, delayed
-from .host import HostUpdate, apply_on_host
+from .host import HostUpdate, apply_on_host, combine_results
+from .masters import check_master_dtype, with_masters
 from .state import (
     NAME,
     call_update,
@@ -183,6 +184,7 @@ def offload_optimizer(
     memory: str = "pinned_host",
     check: bool = True,
     delay: int = 0,
+    master_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state lives in `memory` between steps
     (and is updated where `update_on` says), unless the step's strategy places it.
@@ -229,6 +231,20 @@ def offload_optimizer(
         computes the forward and backward passes. Results differ from `delay=0` by
         exactly that staleness; `ox.apply_pending` applies the last gradients (before an
         evaluation, at the end of training). Not with a stream.
+    - `master_dtype`: `None` (default: the parameters are what the optimizer updates) or
+        a floating-point dtype, usually `jnp.float32`: mixed precision as large models
+        train. The optimizer state keeps a master of every trained parameter in that
+        dtype (in the state's memory: host by default, placed and sharded like the
+        parameter), `tx` runs on the masters (its state is initialised on them, so
+        Adam's moments are float32 unless `tx` says otherwise, e.g. `mu_dtype`), and each
+        parameter is written from its new master in its own dtype. The gradients stay in
+        the dtype the backward pass made: with `update_on="host"` a bfloat16 model moves
+        4 bytes per parameter per step (gradient down, new parameter back) and no state.
+        `opt.init(model)` widens the model's weights; `opt.init(model_in_float32)`,
+        before casting the model, keeps the full-precision initial weights (with
+        `delay=1` the pending gradients are then kept in float32 too). Use
+        `ox.update_and_apply`, which writes each parameter from its master exactly;
+        `opt.update` returns the difference in the parameter's dtype (rounded).
 
     Only floating-point array leaves are optimized: integer, boolean and non-array leaves
     get no state and a `None` update (`ox.apply_updates` leaves them unchanged). Python
@@ -251,14 +267,18 @@ def offload_optimizer(
     _check_options(tx, stream, global_transform, layers, memory, check)
     _check_update_on(update_on, stream, memory)
     _check_delay(delay, stream)
+    master_dtype = check_master_dtype(master_dtype)
     if stream is None:
         inner = tx if global_transform is None else optax.chain(global_transform, tx)
+        if master_dtype is not None:  # below the delay: the pending gradients stay narrow
+            inner = with_masters(inner, master_dtype)
         if delay:
             inner = delayed(inner)
         init_fn, update_fn = _whole_state(inner, memory, update_on)
     else:
-        init_fn = stream_init(tx, global_transform, layers, memory, check)
-        update_fn = StreamedUpdate(tx, global_transform, layers)
+        leaf_tx = tx if master_dtype is None else with_masters(tx, master_dtype)
+        init_fn = stream_init(leaf_tx, global_transform, layers, memory, check)
+        update_fn = StreamedUpdate(leaf_tx, global_transform, layers, master_dtype)
     return optax.GradientTransformationExtraArgs(init_fn, cast(Any, update_fn))
 
 
@@ -284,7 +304,13 @@ def update_and_apply(
         new_host, others, opt_state = opt.update.update_and_apply(
             grads, opt_state, params, **extra_args
         )
-        return _apply(params, others, new_host), opt_state
+        return combine_results(params, others, new_host, opt.update.writes_values), opt_state
+    if isinstance(opt.update, HostUpdate) and opt.update.writes_values:
+        _check_updates(params, grads)
+        new_values, opt_state = opt.update.device_update_and_apply(
+            grads, opt_state, params, **extra_args
+        )
+        return combine_results(params, None, new_values), opt_state
     if isinstance(opt, optax.GradientTransformationExtraArgs):
         updates, opt_state = opt.update(grads, opt_state, params, **extra_args)
     elif extra_args:
@@ -334,27 +360,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
     error naming the leaf paths when `updates` were made for another model.
     """
     _check_updates(model, updates)
-    return _apply(model, updates, apply_on_host(model, updates))
-
-
-def _apply(model: Any, updates: Any, on_host: Any) -> Any:
-    """`model + updates` leaf by leaf, where `on_host` (the model's structure) holds the
-    new value of each leaf already summed on the host, None elsewhere."""
-
-    def apply(path, update, param, new):
-        if new is not None:
-            return new
-        if update is None:
-            return param
-        with labelled("update", "updates" + jax.tree_util.keystr(path)):
-            fetched = to_device(update)
-        if is_host_typed(param):
-            return to_host((to_device(param) + fetched).astype(param.dtype))
-        return (param + fetched).astype(param.dtype)
-
-    return jax.tree_util.tree_map_with_path(
-        apply, updates, model, on_host, is_leaf=lambda x: x is None
-    )
+    return combine_results(model, updates, apply_on_host(model, updates))
 
 
 _OTHER_UPDATES = (

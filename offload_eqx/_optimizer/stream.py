@@ -43,10 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan, argument_path
 from .checks import check_elementwise, check_per_leaf, is_stacked
-from .host import HostUpdate
+from .host import HostUpdate, combine_results
+from .masters import step_values, value_writer
 from .state import (
     NAME,
     StreamState,
@@ -127,11 +128,20 @@ class StreamedUpdate:
         tx: optax.GradientTransformation,
         global_transform: optax.GradientTransformation | None,
         layers: int | None,
+        master_dtype: Any = None,
     ):
         self.tx = tx
         self.global_transform = global_transform
         self.global_tx = optax.identity() if global_transform is None else global_transform
         self.layers = layers
+        self.master_dtype = master_dtype
+
+    def _global_update(self, grads, global_state, params, extra_args):
+        """`global_transform` on all gradients at once; with masters, on the gradients
+        widened to the masters' dtype (as the whole-state optimizer computes it)."""
+        if self.master_dtype is not None and self.global_transform is not None:
+            grads = jax.tree_util.tree_map(lambda g: g.astype(self.master_dtype), grads)
+        return call_update(self.global_tx, grads, global_state, params, extra_args)
 
     def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         return self._step(updates, state, params, extra_args, apply=False)
@@ -148,15 +158,16 @@ class StreamedUpdate:
     def _whole(self, grad, leaf_state, param, extra_args, apply):
         """One leaf's update (and, with `apply`, its new value), fetched whole."""
         mask = host_mask(leaf_state)
-        device_param = to_device(param)
-        update, new_state = call_update(
-            self.tx, to_device(grad), on_device(leaf_state), device_param, extra_args
-        )
-        new_state = restore_memory(mask, new_state)
+        # Masters write the new value: the parameter's dtype is all they read of it.
+        writes = apply and value_writer(self.tx) is not None
+        device_param = param if writes else to_device(param)
+        operands = (to_device(grad), on_device(leaf_state), device_param, extra_args)
         if apply:
-            new_param = (device_param + update).astype(param.dtype)
+            new_param, new_state = step_values(self.tx, *operands)
+            new_state = restore_memory(mask, new_state)
             return (to_host(new_param) if is_host_typed(param) else new_param), new_state
-        return update, new_state
+        update, new_state = call_update(self.tx, *operands)
+        return update, restore_memory(mask, new_state)
 
     def _streamed(self, grad, leaf_state, param, extra_args, apply):
         """One stacked leaf's update, one layer slice per iteration of a `fori_loop`.
@@ -192,26 +203,29 @@ class StreamedUpdate:
         # Scalar leaves (the old ones, on the device) are shared by every slice.
         scalars_in = [x if s else to_device(x) for x, s in zip(state_leaves, sliced)]
         reuse = out is grad  # the updates overwrite the gradient: read it from the carry
+        writes = apply and value_writer(tx) is not None
         new_values: list = []
 
         def body(i, carry):
             out, buffers, _ = carry
             g = to_device(_index(out if reuse else grad, i))
-            p = None if param is None else to_device(_index(out if apply else param, i))
+            if param is None:
+                p = None
+            elif writes:  # masters write the new slice: its dtype is all they read of it
+                p = _slice_shape(param)
+            else:
+                p = to_device(_index(out if apply else param, i))
             old = iter(buffers)
             state = [
                 to_device(_index(next(old), i)) if s else x for s, x in zip(sliced, scalars_in)
             ]
-            update, new_state = cast(
-                tuple[Any, Any],
-                call_update(tx, g, jax.tree_util.tree_unflatten(state_def, state), p, extra_args),
-            )
-            new_leaves = jax.tree_util.tree_leaves(new_state)
-            if apply:
-                assert p is not None
-                result = (p + update).astype(p.dtype)
+            old_state = jax.tree_util.tree_unflatten(state_def, state)
+            if apply:  # the new slice of the parameter
+                result, new_state = step_values(tx, g, old_state, p, extra_args)
             else:
+                update, new_state = call_update(tx, g, old_state, p, extra_args)
                 result = update.astype(out.dtype)
+            new_leaves = jax.tree_util.tree_leaves(new_state)
             out = _write(out, result, i)
             old = iter(buffers)
             buffers = [_write(next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
@@ -257,21 +271,8 @@ class StreamedUpdate:
                 leaves=jax.tree_util.tree_map(self.tx.init, params),
             )
 
-        def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-            grads, global_state = call_update(
-                self.global_tx, updates, state.global_state, params, extra_args
-            )
-            leaves, treedef = jax.tree_util.tree_flatten(grads)
-            states = treedef.flatten_up_to(state.leaves)
-            given = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
-            done = [
-                call_update(self.tx, g, s, p, extra_args) for g, s, p in zip(leaves, states, given)
-            ]
-            updates = jax.tree_util.tree_unflatten(treedef, [u for u, _ in done])
-            new_leaves = jax.tree_util.tree_unflatten(treedef, [s for _, s in done])
-            return updates, StreamState(global_state=global_state, leaves=new_leaves)
-
-        return optax.GradientTransformationExtraArgs(init, update)
+        kind = _WholeLeaves if value_writer(self.tx) is None else _WholeLeavesWithMasters
+        return optax.GradientTransformationExtraArgs(init, cast(Any, kind(self)))
 
     def _on_host(self, grads, state, params, extra_args, apply):
         """Under a strategy with `update="host"`: the whole update in one host
@@ -283,15 +284,7 @@ class StreamedUpdate:
             return host(grads, state, params, **extra_args)
         new_host, others, new_state = host.update_and_apply(grads, state, params, **extra_args)
 
-        def new_value(path, param, new, update):
-            if new is not None or update is None:
-                return param if new is None else new
-            with labelled("update", "updates" + jax.tree_util.keystr(path)):
-                return (param + to_device(update)).astype(param.dtype)
-
-        arrays = jax.tree_util.tree_map_with_path(
-            new_value, trainable(params), new_host, others, is_leaf=lambda x: x is None
-        )
+        arrays = combine_results(trainable(params), others, new_host, host.writes_values)
         return arrays, new_state
 
     def _step(self, updates, state, params, extra_args, apply):
@@ -317,8 +310,8 @@ class StreamedUpdate:
             grads = on_device(grads)
             mask = host_mask(global_state)
             device_params = None if params is None else on_device(params)
-            grads, global_state = call_update(
-                self.global_tx, grads, on_device(global_state), device_params, extra_args
+            grads, global_state = self._global_update(
+                grads, on_device(global_state), device_params, extra_args
             )
             global_state = restore_memory(mask, global_state)
 
@@ -414,3 +407,50 @@ def stream_init(
         return init_in_place(init_on_device, params)
 
     return init_fn
+
+
+class _WholeLeaves:
+    """The `update` of a streamed optimizer on whole leaves (`StreamedUpdate._whole_leaves`)."""
+
+    def __init__(self, streamed: StreamedUpdate):
+        self.streamed = streamed
+
+    def _per_leaf(self, updates: Any, state: Any, params: Any, extra_args: dict, step) -> Any:
+        """The global part, then `step(gradient, leaf state, parameter or None, index)`
+        on every leaf: `(the first results, StreamState of the second)`."""
+        grads, global_state = self.streamed._global_update(
+            updates, state.global_state, params, extra_args
+        )
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        states = treedef.flatten_up_to(state.leaves)
+        given = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
+        done = [step(g, s, p, i) for i, (g, s, p) in enumerate(zip(leaves, states, given))]
+        firsts = jax.tree_util.tree_unflatten(treedef, [a for a, _ in done])
+        new_leaves = jax.tree_util.tree_unflatten(treedef, [b for _, b in done])
+        return firsts, StreamState(global_state=global_state, leaves=new_leaves)
+
+    def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        tx = self.streamed.tx
+        return self._per_leaf(
+            updates,
+            state,
+            params,
+            extra_args,
+            lambda g, s, p, _: call_update(tx, g, s, p, extra_args),
+        )
+
+
+class _WholeLeavesWithMasters(_WholeLeaves):
+    """`_WholeLeaves` whose per-leaf transformation keeps masters: it writes the
+    parameters' new values (see `masters.MasterUpdate`)."""
+
+    def values(self, grads: Any, state: Any, extra_args: dict, like: Any = None) -> Any:
+        writer = value_writer(self.streamed.tx)
+        likes = jax.tree_util.tree_leaves(grads if like is None else like)
+        return self._per_leaf(
+            grads,
+            state,
+            None,
+            extra_args,
+            lambda g, s, _, i: writer.values(g, s, extra_args, likes[i]),
+        )
