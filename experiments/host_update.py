@@ -26,8 +26,9 @@ decoder (`_decoder.py`) at batch 1 x 2048 tokens on h100. XLA:TPU is compiled wi
 offload_eqx's refusal of the host update bypassed, to show why it is refused.
 
 `--headline`: Llama-2-13B's shape at 4,096 tokens per sequence on one H100 and on one
-GH200, ZeRO-Offload's way (parameters and AdamW state in host memory, the update on the
-host, delayed by one step), each plan at the largest batch it fits (`ox.max_batch`),
+GH200, ZeRO-Offload's way (bfloat16 parameters, float32 masters and AdamW moments in host
+memory, the update on the host, delayed by one step; `--bf16-moments`: without masters,
+as before they existed), each plan at the largest batch it fits (`ox.max_batch`),
 beside the same plan undelayed and the figures ZeRO-Offload, ZenFlow and SuperOffload
 publish; its timelines go to `docs/plots/host_update_13b_timeline.png`.
 
@@ -253,6 +254,12 @@ PUBLISHED = [
 ]
 
 
+# The optimizer as ZeRO-Offload trains: float32 masters and AdamW moments in host memory
+# for the bfloat16 model. `--bf16-moments` runs the rows before masters existed (AdamW on
+# the bfloat16 parameters, bfloat16 moments), which no one trains a 13B model with.
+MASTERS = {"master_dtype": jnp.float32}
+
+
 def _headline_setup(delay: int):
     import dataclasses
 
@@ -264,7 +271,7 @@ def _headline_setup(delay: int):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, model
     )
     adamw = optax.adamw(1e-3, weight_decay=0.01)
-    opt = ox.offload_optimizer(adamw, update_on="host", delay=delay)
+    opt = ox.offload_optimizer(adamw, update_on="host", delay=delay, **MASTERS)
     state = eqx.filter_eval_shape(opt.init, model)
 
     def make_args(batch: int) -> tuple:
@@ -275,9 +282,15 @@ def _headline_setup(delay: int):
 
 def _headline_row(target: str, plan: str, delay: int, batch: int) -> dict:
     config, opt, make_step, make_args = _headline_setup(delay)
-    estimate = ox.estimate(make_step(opt, HEADLINE_PLANS[plan]), *make_args(batch), target=target)
+    step = make_step(opt, HEADLINE_PLANS[plan])
+    estimate = ox.estimate(step, *make_args(batch), target=target)
     assert estimate.simulation is not None
     tokens = batch * SEQ
+    # What the update moves over the link per parameter: the gradients sent to host
+    # memory, whatever the update phase fetches or sends, and any optimizer state.
+    moved = ox.audit(step, *make_args(batch)).transfers
+    update_bytes = sum(t.bytes for t in moved if t.kind == "gradient" or t.phase == "update")
+    state_bytes = sum(t.bytes for t in moved if t.kind == "optimizer")
     row = dict(
         target=target,
         plan=plan,
@@ -291,6 +304,8 @@ def _headline_row(target: str, plan: str, delay: int, batch: int) -> dict:
         device_gb=(estimate.device_bytes or 0) / 1e9,
         host_busy=estimate.simulation.busy.get("host", 0.0),
         host_waited=estimate.simulation.waited.get("host", 0.0),
+        update_link_bytes_per_parameter=update_bytes / config.parameters,
+        state_link_bytes=state_bytes,
     )
     print(f"  {target} {plan} delay={delay} batch {batch}: {row['seconds']:.2f} s", flush=True)
     return row | {"estimate": estimate}
@@ -321,12 +336,14 @@ def headline() -> list[dict]:
             f"{r['seconds']:.2f}", f"{r['count_seconds']:.2f}", f"{r['tokens_per_s']:.0f}",
             f"{r['tflops']:.0f}", f"{r['mfu']:.1%}", f"{r['device_gb']:.1f}",
             f"{r['host_busy']:.2f} / {r['host_waited']:.2f}",
+            f"{r['update_link_bytes_per_parameter']:.2f} / {r['state_link_bytes']}",
         ]
         for r in rows
     ]  # fmt: skip
     header = [
         "target", "plan", "delayed", "batch", "step s", "count s", "tokens/s",
         "TFLOP/s (6NT)", "MFU (6NT)", "device GB", "host busy / waited s",
+        "update link B/param / state B",
     ]  # fmt: skip
     print(format_table(header, body, markdown=True))
     print(
@@ -336,9 +353,11 @@ def headline() -> list[dict]:
             markdown=True,
         )
     )
-    _headline_plot([r for r in rows if r["target"] == "h100"])
+    name = "host_update_13b" if MASTERS else "host_update_13b_bf16_moments"
+    if MASTERS:  # the plot shows the headline's way of training
+        _headline_plot([r for r in rows if r["target"] == "h100"])
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "host_update_13b.json"), "w") as file:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as file:
         json.dump([{k: v for k, v in r.items() if k != "estimate"} for r in rows], file, indent=1)
     return rows
 
@@ -370,8 +389,15 @@ def main() -> None:
     size.add_argument("--smoke", action="store_true", help="the scanned model, h100 and v5p")
     size.add_argument("--full", action="store_true", help="and the 8B decoder on h100")
     size.add_argument("--headline", action="store_true", help="only Llama-2-13B, delayed")
+    parser.add_argument(
+        "--bf16-moments",
+        action="store_true",
+        help="the headline without float32 masters (AdamW's moments in bfloat16)",
+    )
     args = parser.parse_args()
     if args.headline:
+        if args.bf16_moments:
+            MASTERS.clear()
         headline()
     else:
         run(full=args.full)

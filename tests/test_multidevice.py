@@ -16,6 +16,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -314,7 +315,8 @@ def test_float32_masters_on_a_mesh_equal_the_definition(mode):
         bool(options.get("delay")),
         grad=lambda m, x: recorded.pop(0),
     )
-    inner = state.inner.state if options.get("delay") else state.inner
+    stored: Any = state
+    inner = stored.inner.state if options.get("delay") else stored.inner
     masters = (
         inner.master
         if mode != "layer_stream"
