@@ -35,7 +35,7 @@ is valid for transformations elementwise within a leaf (`adam`, `adamw`, `sgd`),
 fetched whole either.
 """
 
-from typing import Any, cast
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -64,6 +64,7 @@ from .state import (
     state_type,
     trainable,
 )
+from .whole_leaves import whole_leaves
 
 
 def _gate(token: Any) -> jax.Array:
@@ -264,15 +265,7 @@ class StreamedUpdate:
         """This optimizer on whole leaves: the global part, then `tx` on each leaf at
         once. `tx` is elementwise within a leaf (checked by `init`), so this equals the
         per-layer loop; it is what the host update computes (nothing to fetch there)."""
-
-        def init(params: Any) -> Any:
-            return StreamState(
-                global_state=self.global_tx.init(params),
-                leaves=jax.tree_util.tree_map(self.tx.init, params),
-            )
-
-        kind = _WholeLeaves if value_writer(self.tx) is None else _WholeLeavesWithMasters
-        return optax.GradientTransformationExtraArgs(init, cast(Any, kind(self)))
+        return whole_leaves(self.tx, self.global_tx, self._global_update)
 
     def _on_host(self, grads, state, params, extra_args, apply):
         """Under a strategy with `update="host"`: the whole update in one host
@@ -407,50 +400,3 @@ def stream_init(
         return init_in_place(init_on_device, params)
 
     return init_fn
-
-
-class _WholeLeaves:
-    """The `update` of a streamed optimizer on whole leaves (`StreamedUpdate._whole_leaves`)."""
-
-    def __init__(self, streamed: StreamedUpdate):
-        self.streamed = streamed
-
-    def _per_leaf(self, updates: Any, state: Any, params: Any, extra_args: dict, step) -> Any:
-        """The global part, then `step(gradient, leaf state, parameter or None, index)`
-        on every leaf: `(the first results, StreamState of the second)`."""
-        grads, global_state = self.streamed._global_update(
-            updates, state.global_state, params, extra_args
-        )
-        leaves, treedef = jax.tree_util.tree_flatten(grads)
-        states = treedef.flatten_up_to(state.leaves)
-        given = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
-        done = [step(g, s, p, i) for i, (g, s, p) in enumerate(zip(leaves, states, given))]
-        firsts = jax.tree_util.tree_unflatten(treedef, [a for a, _ in done])
-        new_leaves = jax.tree_util.tree_unflatten(treedef, [b for _, b in done])
-        return firsts, StreamState(global_state=global_state, leaves=new_leaves)
-
-    def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        tx = self.streamed.tx
-        return self._per_leaf(
-            updates,
-            state,
-            params,
-            extra_args,
-            lambda g, s, p, _: call_update(tx, g, s, p, extra_args),
-        )
-
-
-class _WholeLeavesWithMasters(_WholeLeaves):
-    """`_WholeLeaves` whose per-leaf transformation keeps masters: it writes the
-    parameters' new values (see `masters.MasterUpdate`)."""
-
-    def values(self, grads: Any, state: Any, extra_args: dict, like: Any = None) -> Any:
-        writer = value_writer(self.streamed.tx)
-        likes = jax.tree_util.tree_leaves(grads if like is None else like)
-        return self._per_leaf(
-            grads,
-            state,
-            None,
-            extra_args,
-            lambda g, s, _, i: writer.values(g, s, extra_args, likes[i]),
-        )
