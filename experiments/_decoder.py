@@ -1,6 +1,8 @@
 """The Llama-like decoder of `transformer_offload.py`, written once with offload_eqx annotations.
 
-RMSNorm, rotary attention with q/k/v/o projections and a SwiGLU MLP; the layers are stacked
+RMSNorm, rotary attention with q/k/v/o projections (computed by `jax.nn.dot_product_attention`,
+with cuDNN's fused kernel on GPU targets, or by Pallas splash attention on TPU targets:
+`Config.attention`, `attention_for(target)`) and a SwiGLU MLP; the layers are stacked
 with `eqx.filter_vmap` and applied with `ox.scan`, the embedding and the head each called
 through `ox.checkpoint`. Every weight is an `ox.field`, so a strategy may move it; the block
 names its input and its q, k, v projections with `ox.name` and declares them with
@@ -43,6 +45,9 @@ class Config:
     heads: int
     seq: int
     kv_heads: int | None = None
+    # How attention is computed (`ATTENTION`); `attention_for(target)` picks the fused
+    # kernel a user would call there.
+    attention: str = "xla"
 
     @property
     def kv_dim(self) -> int:
@@ -97,6 +102,71 @@ def rotary(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+# -- attention --------------------------------------------------------------------------
+
+# "xla": `jax.nn.dot_product_attention` as XLA fuses it (what runs on a CPU); "cudnn": the
+# same call with cuDNN's fused kernel (GPU targets); "splash": Pallas splash attention
+# (TPU targets, as MaxText calls it); "manual": the scores written out in float32, the
+# decoder's attention before it called a kernel (kept for comparison).
+ATTENTION = ("xla", "cudnn", "splash", "manual")
+
+
+def attention_for(target: str) -> str:
+    """The attention kernel a user calls on `target`: cuDNN on GPUs, splash attention on
+    TPUs, XLA's own elsewhere."""
+    platform = ox.TARGETS[target].platform
+    return {"cuda": "cudnn", "tpu": "splash"}.get(platform, "xla")
+
+
+def with_attention(config: "Config", target: str) -> "Config":
+    return dataclasses.replace(config, attention=attention_for(target))
+
+
+@functools.cache
+def _splash_kernel(heads: int, seq: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+        splash_attention_mask as masks,
+    )
+
+    mask = masks.MultiHeadMask([masks.CausalMask((seq, seq)) for _ in range(heads)])
+    block = min(512, seq)
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+
+
+def _manual_attention(q, k, v):
+    head_dim, seq = q.shape[-1], q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def attention(q, k, v, kind: str):
+    """Causal attention of `q` (batch, seq, heads, head_dim) over `k`, `v` (batch, seq,
+    kv_heads, head_dim), computed as `kind` says (`ATTENTION`)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kind in ("xla", "cudnn"):  # grouped-query attention natively
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
+    if kv_heads != heads:  # each k/v head serves a group of query heads
+        k = jnp.repeat(k, heads // kv_heads, axis=2)
+        v = jnp.repeat(v, heads // kv_heads, axis=2)
+    if kind == "manual":
+        return _manual_attention(q, k, v)
+    if kind != "splash":
+        raise ValueError(f"attention {kind!r}; expected one of {ATTENTION}")
+    # Splash takes heads first and does not scale the scores itself.
+    q = q / jnp.asarray(math.sqrt(q.shape[-1]), q.dtype)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    out = jax.vmap(_splash_kernel(heads, q.shape[2]))(q, k, v)
+    return out.transpose(0, 2, 1, 3)
+
+
 class Block(eqx.Module):
     """One decoder layer. Stacked along axis 0 by `eqx.filter_vmap`, applied by `ox.scan`."""
 
@@ -111,6 +181,7 @@ class Block(eqx.Module):
     w_down: jax.Array = ox.field(memory="device")
     heads: int = eqx.field(static=True, default=1)
     kv_heads: int | None = eqx.field(static=True, default=None)  # None: as many as `heads`
+    attention: str = eqx.field(static=True, default="xla")  # one of `ATTENTION`
     # The TPU blog's choice: q, k, v projections go to host memory after the forward pass
     # and come back for the backward pass; every other value of the layer is recomputed.
     # The layer input is named too, so a strategy can offload it; by default it is
@@ -132,14 +203,7 @@ class Block(eqx.Module):
         q = rotary(q.reshape(batch, seq, self.heads, head_dim), positions)
         k = rotary(k.reshape(batch, seq, kv_heads, head_dim), positions)
         v = v.reshape(batch, seq, kv_heads, head_dim)
-        if kv_heads != self.heads:  # grouped-query attention: each k/v head serves a group
-            k = jnp.repeat(k, self.heads // kv_heads, axis=2)
-            v = jnp.repeat(v, self.heads // kv_heads, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, dim)
+        attended = attention(q, k, v, self.attention).reshape(batch, seq, dim)
         x = x + attended @ self.wo
         h = self.mlp_norm(x)
         return x + (jax.nn.silu(h @ self.w_gate) * (h @ self.w_up)) @ self.w_down
@@ -198,6 +262,7 @@ def make_decoder(config: Config, key, dtype=jnp.bfloat16) -> Decoder:
             w_down=normal(keys[6], (f, d), f),
             heads=config.heads,
             kv_heads=config.kv_heads,
+            attention=config.attention,
         )
 
     k_embed, k_layers, k_head = jax.random.split(key, 3)

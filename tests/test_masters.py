@@ -200,8 +200,15 @@ def test_only_what_is_trained_gets_a_master():
         lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(LR)),
         lambda: optax.MultiSteps(optax.adamw(LR), every_k_schedule=2),
         lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=LR),
+        lambda: optax.adamw(
+            LR,
+            weight_decay=0.1,
+            mask=lambda p: eqx.tree_at(
+                lambda m: m.layers.w2, jax.tree_util.tree_map(lambda _: True, p), False
+            ),
+        ),
     ],
-    ids=["clip_adamw", "multisteps", "inject_hyperparams"],
+    ids=["clip_adamw", "multisteps", "inject_hyperparams", "adamw_mask"],
 )
 def test_masters_work_under_the_transformations_users_compose(chain):
     opt = ox.offload_optimizer(chain(), master_dtype=jnp.float32, update_on="host")
