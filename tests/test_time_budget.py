@@ -10,7 +10,7 @@ BUDGET_PLUGIN = pathlib.Path(__file__).with_name("time_budget.py")
 
 @pytest.fixture
 def project(pytester):
-    plugin = BUDGET_PLUGIN.read_text().replace("PHASE_SECONDS = 150.0", "PHASE_SECONDS = 0.5")
+    plugin = BUDGET_PLUGIN.read_text().replace("PHASE_SECONDS = 100.0", "PHASE_SECONDS = 0.5")
     assert "PHASE_SECONDS = 0.5" in plugin  # the budget's line is where this test looks
     ceiling = '"test_times.py::test_slow_with_a_ceiling": 5.0,'
     plugin = plugin.replace("CEILINGS: dict[str, float] = {", "CEILINGS = {" + ceiling)
