@@ -129,6 +129,13 @@ def _splash_kernel(heads: int, seq: int):
         splash_attention_mask as masks,
     )
 
+    # Built concretely even when first asked for inside a trace: the kernel is cached, and
+    # its block-mask arrays made under a trace would be that trace's values, leaked.
+    with jax.ensure_compile_time_eval():
+        return _make_splash_kernel(heads, seq, splash, masks)
+
+
+def _make_splash_kernel(heads: int, seq: int, splash: Any, masks: Any):
     mask = masks.MultiHeadMask([masks.CausalMask((seq, seq)) for _ in range(heads)])
     block = min(512, seq)
     sizes = splash.BlockSizes(
