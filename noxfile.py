@@ -38,8 +38,8 @@ CPU_ENV = {
 PARALLEL = ("-n", "auto", "--dist", "loadgroup", "--max-worker-restart=0")
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
-    session.run("pytest", *args, *session.posargs, env=CPU_ENV)
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    session.run("pytest", *args, *session.posargs, env={**CPU_ENV, **(env or {})})
 
 
 @nox.session(python=PYTHON)
@@ -53,8 +53,22 @@ def tests(session: nox.Session) -> None:
     # With `--full`, every module is type-checked at run time (pyproject.toml leaves the
     # step-time model's inner loops out of the default session).
     every = ("--jaxtyping-packages=offload_eqx,beartype.beartype",)
-    checks = every if "--full" in session.posargs else ()
-    _pytest(session, *PARALLEL, "--durations=25", "--time-budget", *checks, "-m", "not multidevice")
+    full = "--full" in session.posargs
+    # Without JAX's persistent compilation cache (tests/conftest.py) with `--full`: two
+    # whole `--full` runs (2026-11-28) each crashed a worker with a segfault inside XLA:CPU
+    # serialising an executable for that cache; no default run has.
+    env = {"JAX_ENABLE_COMPILATION_CACHE": "false"} if full else {}
+    checks = every if full else ()
+    _pytest(
+        session,
+        *PARALLEL,
+        "--durations=25",
+        "--time-budget",
+        *checks,
+        "-m",
+        "not multidevice",
+        env=env,
+    )
 
 
 @nox.session(python=PYTHON)
