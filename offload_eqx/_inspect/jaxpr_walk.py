@@ -172,9 +172,8 @@ class _Walker:
                             var.aval.shape
                         )
                         seen = source if whole else dataclasses.replace(source, fetched_in=None)
-                        if out.aval.dtype != var.aval.dtype:
-                            seen = dataclasses.replace(seen, cast=True)
-                        env[out] = seen
+                        cast = seen.cast or out.aval.dtype != var.aval.dtype
+                        env[out] = dataclasses.replace(seen, cast=cast)
             elif prim in STRUCTURAL or list(jex.core.jaxprs_in_params(eqn.params)):
                 if prim == "compute_on" and is_host_computation(eqn):
                     self._host_computation(eqn, stack, count, eqn_phase, where)

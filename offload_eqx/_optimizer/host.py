@@ -117,8 +117,6 @@ def combine_results(model: Any, updates: Any, new_values: Any, values: bool = Fa
     new value of each leaf already computed (summed on the host, written from a master),
     None elsewhere. With `values`, `updates` are new values too (host-typed, cast from
     masters on the host): fetched, not added."""
-    if updates is None:
-        updates = jax.tree_util.tree_map(lambda _: None, new_values)
 
     def apply(path, update, param, new):
         if new is not None:

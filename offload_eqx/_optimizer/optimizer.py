@@ -310,7 +310,7 @@ def update_and_apply(
         new_values, opt_state = opt.update.device_update_and_apply(
             grads, opt_state, params, **extra_args
         )
-        return combine_results(params, None, new_values), opt_state
+        return eqx.combine(new_values, params), opt_state  # each in its memory already
     if isinstance(opt, optax.GradientTransformationExtraArgs):
         updates, opt_state = opt.update(grads, opt_state, params, **extra_args)
     elif extra_args:
