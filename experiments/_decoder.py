@@ -15,6 +15,7 @@ and optimizer state as `jax.ShapeDtypeStruct`s. Public API only, importable from
     sys.path.insert(0, "experiments"); import _decoder
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -25,6 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 import offload_eqx as ox
 
@@ -170,8 +172,20 @@ def attention(q, k, v, kind: str):
     # Splash takes heads first and does not scale the scores itself.
     q = q / jnp.asarray(math.sqrt(q.shape[-1]), q.dtype)
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    out = jax.vmap(_splash_kernel(heads, q.shape[2]))(q, k, v)
+    out = _by_batch_shard(jax.vmap(_splash_kernel(heads, q.shape[2])))(q, k, v)
     return out.transpose(0, 2, 1, 3)
+
+
+def _by_batch_shard(kernel: Callable) -> Callable:
+    """`kernel` on each device's sequences when a mesh is in context (as `make_step`
+    sets one): XLA cannot partition a Pallas kernel, so it runs in a `shard_map` with the
+    batch split over every mesh axis, as the tokens are (as MaxText calls splash
+    attention). Off a mesh, `kernel` itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernel
+    batch = P(mesh.axis_names)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=batch, out_specs=batch, check_vma=False)
 
 
 class Block(eqx.Module):
@@ -305,15 +319,23 @@ def make_step(optimizer, strategy, mesh=None) -> Callable[..., Any]:
 
     `ox.update_and_apply` runs the update and applies it in one per-layer loop when the
     optimizer streams by layer (parameters are never fetched whole), and is `update` then
-    `ox.apply_updates` otherwise."""
+    `ox.apply_updates` otherwise. On a `mesh` the loss is traced with the mesh in context
+    (`jax.sharding.use_abstract_mesh`), so that a Pallas kernel runs per device."""
 
     @ox.filter_jit(strategy=strategy, donate="all", mesh=mesh)
     def step(model, opt_state, tokens):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        with _mesh_context(mesh):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
         model, opt_state = ox.update_and_apply(optimizer, grads, opt_state, model)
         return model, opt_state, loss
 
     return step
+
+
+def _mesh_context(mesh: Any) -> Any:
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
 
 
 # -- strategies -------------------------------------------------------------------------

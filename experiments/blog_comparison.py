@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _decoder import CONFIGS, Config, make_step, optimizer_for  # noqa: E402
+from _decoder import CONFIGS, Config, make_step, optimizer_for, with_attention  # noqa: E402
 from _report import RESULTS, format_table, target_available  # noqa: E402
 from _repricing import GB, at_link, break_even, no_overlap  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -90,6 +90,7 @@ def _tokens(config: Config, per_chip: int, args: tuple) -> tuple:
 def compare(size: str) -> dict:
     """Both presets compiled for the slice and simulated, and the gain re-priced."""
     config, per_chip, blog = RUNS[size]
+    config = with_attention(config, TARGET)  # splash attention, per chip
     mesh, args = sharded_args(config, CHIPS)
     args = _tokens(config, per_chip, args)
     estimates = {}

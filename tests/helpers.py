@@ -323,3 +323,33 @@ def masters_reference(model32, loss, x, tx, steps: int, delay: bool = False, gra
         updates, state = tx.update(pending, state, masters)
         masters = optax.apply_updates(masters, updates)
     return masters
+
+
+def splash_step(heads: int, length: int, block: int) -> Callable:
+    """Gradients of causal splash attention (Pallas, TPU targets) over q, k, v of
+    (batch, heads, length, head_dim), in blocks of `block` a side."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+        splash_attention_mask as masks,
+    )
+
+    mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
+    sizes = {
+        name: block
+        for name in (
+            "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq",
+        )
+    }  # fmt: skip
+    kernel = splash.make_splash_mha(
+        mask, head_shards=1, q_seq_shards=1, block_sizes=splash.BlockSizes(**sizes)
+    )
+
+    def step(q, k, v):
+        def loss(q, k, v):
+            out = jax.vmap(kernel)(q, k, v)
+            return out.astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return step

@@ -7,14 +7,13 @@ forward (`Q K^T`, `P V`) and `2 pairs (3 D + 2 Dv)` backward (`Q K^T` again, `dV
 `dQ`, `dK`). A causal mask over `n` tiles a side computes `n (n + 1) / 2` of the `n^2`.
 """
 
-from typing import cast
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import splash_step
 from jax.experimental import pallas as pl
 
 import offload_eqx as ox
@@ -69,6 +68,24 @@ def test_cudnn_causal_attention_is_priced_by_its_tiles():
 
 
 @pytest.mark.deviceless
+def test_cudnn_workspaces_a_deviceless_compile_leaves_unsized_are_named():
+    # cuDNN sizes a kernel's workspace only on a GPU: compiled without one, the forward
+    # and backward attention kernels get `u8[0]`, which the reports say, not hide.
+    q = S((1, 512, 2, 64), BF16)
+    report = ox.memory_report(ox.filter_jit(cudnn_step), q, q, q, target="h100")
+    (note,) = report.notes
+    assert "2 cuDNN kernels" in note and "fmhaSoftmaxBackward x1" in note
+    assert "unsized (u8[0])" in note and f"Note: {note}" in str(report)
+    assert report.as_dict()["notes"] == [note]
+    estimate = ox.estimate(ox.filter_jit(cudnn_step), q, q, q, target="h100")
+    assert ("memory", note) in estimate.notes and f"Note (memory): {note}" in str(estimate)
+    compared = ox.compare_memory({"attention": (ox.filter_jit(cudnn_step), (q, q, q))}, "h100")
+    assert f"Note (attention, h100): {note}" in str(compared)
+    plain = ox.memory_report(lambda q: q @ q.mT, q, target="h100")
+    assert plain.notes == ()
+
+
+@pytest.mark.deviceless
 def test_cudnn_convolution_backward_kernels_cost_the_forward_convolution():
     # XLA:GPU compiles both gradients of a convolution to cuDNN custom calls carrying the
     # forward convolution's dimensions: each costs 2 x its output x 3 x 3 x 16 FLOPs, of
@@ -97,34 +114,6 @@ def test_cudnn_attention_counts_every_query_head_of_grouped_queries():
 
     work = count_work(jax.make_jaxpr(forward)(q, kv, kv))
     assert work["forward"].flops == 2 * (2 * 4 * 128 * 256) * (32 + 32)
-
-
-def splash_step(heads, length, block):
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash,
-        splash_attention_mask as masks,
-    )
-
-    mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
-    sizes = {
-        name: block
-        for name in (
-            "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq",
-        )
-    }  # fmt: skip
-    kernel = splash.make_splash_mha(
-        mask, head_shards=1, q_seq_shards=1, block_sizes=splash.BlockSizes(**sizes)
-    )
-
-    def step(q, k, v):
-        def loss(q, k, v):
-            out = cast(jax.Array, jax.vmap(kernel)(q, k, v))
-            return out.astype(jnp.float32).sum()
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    return step
 
 
 @pytest.mark.deviceless
@@ -334,3 +323,26 @@ def test_splash_without_its_mask_is_priced_dense_and_says_so():
     blocks = {"block_q": 128, "block_kv": 128}
     cost = splash_cost("splash_mha_fwd_residuals", [table, table, q, q, q], mask, blocks, 2)
     assert cost is not None and cost.flops == 2 * (2 * 36 * 128 * 128) * 256 and not cost.note
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
+def test_a_shard_map_on_this_machines_devices_is_refused_with_the_fix(target):
+    # A kernel XLA cannot partition runs in a `shard_map`; on a mesh of this machine's CPU
+    # devices it cannot compile for a GPU or TPU target, which JAX said in argument
+    # indices (TPU) or mid-trace (GPU). The fix the error gives compiles.
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = S((8, 128), jnp.float32)
+
+    def doubled(mesh):
+        return jax.shard_map(lambda x: 2 * x, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+
+    fix = {"h100": "cannot yet be compiled for a GPU", "tpu-v5p": "mesh=mesh.abstract_mesh"}
+    with pytest.raises(ValueError, match=r"`jax.shard_map` on a mesh") as e:
+        ox.estimate(ox.filter_jit(doubled(mesh)), x, target=target)
+    assert fix[target] in str(e.value)
+    if target == "tpu-v5p":
+        fixed = ox.filter_jit(doubled(mesh.abstract_mesh))
+        assert ox.memory_report(fixed, x, target=target).total > 0

@@ -39,7 +39,7 @@ from _multiprocess_worker import (
     make_step,
     train,
 )
-from helpers import masters_reference, to_bf16
+from helpers import masters_reference, splash_step, to_bf16
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import offload_eqx as ox
@@ -364,6 +364,32 @@ def test_a_mesh_given_to_filter_jit_moves_unplaced_arguments_once():
     assert model.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
     model, _ = forward(model, shard(jnp.ones((BATCH, WIDTH)), DATA, mesh))
     assert model.layers.w1.sharding == NamedSharding(mesh, FSDP, memory_kind="pinned_host")
+
+
+@pytest.mark.deviceless
+@on_eight_devices
+def test_splash_attention_in_a_shard_map_is_priced_for_one_device():
+    # XLA cannot partition a Pallas kernel, so a sharded step calls splash attention in a
+    # `shard_map`, one device's sequences each (as MaxText does). Per device, both the
+    # compiled simulation and the jaxpr count price one sequence's kernels by their
+    # block mask: 4 blocks a side, 10 of 16 computed, by fwd (Q K^T, P V), dq (Q K^T, dP,
+    # dQ) and dkv (Q K^T, dV, dP, dK). The jaxpr count once saw a quarter of it.
+    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    heads, length, dim = 2, 1024, 128
+    spec = P("fsdp")
+    kernels = jax.shard_map(
+        splash_step(heads, length, 256), mesh=mesh.abstract_mesh, in_specs=spec, out_specs=spec,
+        check_vma=False,
+    )  # fmt: skip
+    q = jax.ShapeDtypeStruct(
+        (4, heads, length, dim), jnp.bfloat16, sharding=NamedSharding(mesh, spec)
+    )
+    estimate = ox.estimate(ox.filter_jit(kernels), q, q, q, target="tpu-v5p-4")
+    pairs = heads * length * length * 10 / 16
+    one_device = 2 * pairs * (2 + 3 + 4) * dim
+    assert estimate.simulation is not None and estimate.unpriced == ()
+    assert estimate.simulation.flops == pytest.approx(one_device, rel=1e-3)
+    assert estimate.flops == pytest.approx(one_device, rel=1e-3)
 
 
 @on_eight_devices

@@ -44,6 +44,7 @@ from .._targets.deviceless import (
 )
 from .._targets.devices import require_compiler
 from .._targets.targets import TARGETS, Target, get_target
+from .workspaces import unsized_workspaces, workspace_note
 
 _BAD_PROGRAM = (
     "ox.compare_memory: program {name!r} is {value!r}; expected a tuple `(fn, args)` or "
@@ -74,6 +75,8 @@ class MemoryReport:
 
     `compiler_log` holds XLA's log lines while compiling, kept off the terminal (for a
     program over the capacity, "Can't reduce memory use below ..." and the like).
+    `notes` says what the bytes leave out: the workspace of cuDNN kernels (fused
+    attention) compiled without a GPU, which cuDNN sizes only on one.
     `print` a report for a table; `as_dict()` for JSON.
     """
 
@@ -86,6 +89,9 @@ class MemoryReport:
     # XLA's log lines while compiling (`compiler_log`), kept off the terminal: for a
     # program over the capacity, "Can't reduce memory use below ..." and the like.
     compiler_log: tuple[str, ...] = ()
+    # What the bytes leave out (`workspaces.py`: cuDNN workspaces a deviceless compile
+    # does not size), a sentence each; printed under the table.
+    notes: tuple[str, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -131,6 +137,7 @@ class MemoryReport:
             "mesh": None if self.mesh is None else dict(self.mesh),
             "capacity": self.capacity,
             "fits": self.fits,
+            "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
@@ -154,7 +161,8 @@ class MemoryReport:
                 f"Memory per device of {self.name!r} compiled for {self.target!r} over the "
                 f"mesh {_describe(self.mesh)} ({self.devices} devices, each needs this)"
             )
-        return "\n".join([title, format_table(header, rows, numeric=True), self.fit_line()])
+        table = format_table(header, rows, numeric=True)
+        return "\n".join([title, table, self.fit_line(), *(f"Note: {n}" for n in self.notes)])
 
     __repr__ = __str__
 
@@ -233,8 +241,14 @@ def compiled_report(program: Program, target: Target, name: str) -> tuple[Memory
         mesh=None if program.mesh is None else dict(program.mesh.shape),
         capacity=target.capacity,
         compiler_log=tuple(log),
+        notes=_notes(compiled),
     )
     return report, compiled
+
+
+def _notes(compiled: Any) -> tuple[str, ...]:
+    note = workspace_note(unsized_workspaces(compiled.as_text() or ""))
+    return () if note is None else (note,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +304,10 @@ class MemoryComparison:
             )
         title = "Compiled memory per device (total = temp + argument + output - alias)"
         misfits = [f"{n}: {r.fit_line()}" for (n, _), r in self.reports.items() if r.fits is False]
-        return "\n".join([title, format_table(header, rows, numeric=True), *misfits])
+        notes = [
+            f"Note ({n}, {t}): {note}" for (n, t), r in self.reports.items() for note in r.notes
+        ]
+        return "\n".join([title, format_table(header, rows, numeric=True), *misfits, *notes])
 
     __repr__ = __str__
 

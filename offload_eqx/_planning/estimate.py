@@ -65,7 +65,8 @@ class StepEstimate:
     - `speeds`: the `ox.Speeds` it was priced with; `capacity`: the target's device
         memory (None: unknown).
     - `notes`: `(phase, note)` pairs for what the counts leave out (a while loop is
-        counted once, a kernel no rule prices: `unpriced`).
+        counted once, a kernel no rule prices: `unpriced`), and `("memory", note)` for
+        what the compiled memory leaves out (`MemoryReport.notes`).
 
     `print` it for a table; `to_dict()` for JSON.
     """
@@ -266,13 +267,14 @@ def estimate_from(
         check_host_compute(costs.jaxpr, target.platform, f"target {target.name!r}")
     traced, phases = predict(load_of(costs), speeds)
     device = host = simulation = None
-    seconds = traced
+    seconds, notes = traced, tuple((p, w.note) for p, w in costs.work.items() if w.note)
     if compile:
         name = getattr(step, "__name__", None) or type(step.fn).__name__
         report, compiled = compiled_report(program_of_step(step, args, dict(kwargs)), target, name)
         device, host = report.total, report.host_total
         simulation = simulate_compiled(compiled, report, speeds, costs)
         seconds, phases = simulation.seconds, simulated_phases(simulation)
+        notes += tuple(("memory", note) for note in report.notes)
     return StepEstimate(
         name=getattr(step, "__name__", None) or type(step.fn).__name__,
         strategy=step.strategy.name,
@@ -287,7 +289,7 @@ def estimate_from(
         phases=phases,
         speeds=speeds,
         capacity=target.capacity,
-        notes=tuple((p, w.note) for p, w in costs.work.items() if w.note),
+        notes=notes,
         traced_seconds=traced,
         simulation=simulation,
         costs=costs,

@@ -30,7 +30,8 @@ once, so the work is counted here, from the program JAX traced, before XLA optim
   phase's `unpriced` and its note.
 - Shapes are the jaxpr's, so the counts are for the whole program, not per device: divide
   by the number of devices a sharded step runs on. A `shard_map` body, traced with
-  per-device shapes, is counted once (one device's share).
+  per-device shapes, counts once for each device it runs on (the product of its manual
+  axes' sizes).
 - The roofline time of a dot or conv is `max(flops / flop_rate, bytes / byte_rate)`, of
   everything else `bytes / byte_rate`: a lower bound that assumes no overlap between
   equations and perfect overlap within one.
@@ -345,6 +346,11 @@ class _Counter:
                     best = counter
             if best is not None:
                 self.add(best)
+        elif prim == "shard_map":
+            # The body is one device's program: counted for every device it runs on, so
+            # that the count stays the whole program's, as everywhere else.
+            sub, devices = params["jaxpr"], _manual_devices(params)
+            self.walk(_open(sub), count * devices, phase, host, recompute, inner(sub))
         elif prim == "while":
             self.work[phase]["while_loops"] += 1
             for key in ("cond_jaxpr", "body_jaxpr"):
@@ -352,6 +358,13 @@ class _Counter:
         else:
             for sub in jex.core.jaxprs_in_params(params):
                 self.walk(_open(sub), count, phase, host, recompute, inner(sub))
+
+
+def _manual_devices(params: dict) -> int:
+    """How many devices run a `shard_map` body: the product of its manual axes' sizes."""
+    mesh = params["mesh"]
+    names = params.get("newly_manual_axes", params.get("manual_axes", mesh.axis_names))
+    return math.prod(mesh.shape[name] for name in names)
 
 
 def count_work(

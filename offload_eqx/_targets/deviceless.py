@@ -34,7 +34,7 @@ from .._sharding.host_compute import check_host_compute, compiler_options
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
 from .compile_memo import compile_once
-from .devices import mesh_on_target, target_mesh, uses_abstract_mesh
+from .devices import mesh_on_target, target_mesh, trace_on_target, uses_abstract_mesh
 from .targets import Target
 
 # The fields of XLA's `memory_analysis()`, each in device and in host memory.
@@ -274,7 +274,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
 
     context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
     with context:
-        traced = jax.jit(flat, in_shardings=in_shardings).trace(*abstract)
+        traced = trace_on_target(jax.jit(flat, in_shardings=in_shardings), abstract, target)
         check_host_compute(traced.jaxpr, target.platform, f"target {target.name!r}")
         out_avals = traced.jaxpr.out_avals
         out_memories = program.out_memory(out_avals)

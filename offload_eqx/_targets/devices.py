@@ -10,8 +10,11 @@ import functools
 import importlib
 import os
 import pathlib
+from collections.abc import Iterator
+from typing import Any
 
 import jax
+import jax.extend as jex
 import numpy as np
 
 from .targets import _EXTRAS, _TARGET_DIR, TARGETS, Target, get_target
@@ -246,3 +249,54 @@ def uses_abstract_mesh(target: "str | Target") -> bool:
     built on `mesh.abstract_mesh` and compiled under `jax.set_mesh(mesh)` it stays host.
     """
     return get_target(target).platform == "cuda"
+
+
+_KERNEL_MESH = (
+    "The step calls `jax.shard_map` on {mesh}, so it cannot be compiled for target "
+    "{target!r}, {why}. {fix}"
+)
+# What works on each platform's deviceless compile. A GPU step is compiled under the
+# target's own mesh (`uses_abstract_mesh`), and JAX requires a `shard_map`'s mesh to be
+# the context mesh, which no mesh of this machine is.
+_KERNEL_MESH_FIX = {
+    "cuda": "A step that calls `jax.shard_map` cannot yet be compiled for a GPU target "
+    "without the hardware: estimate the step without the `shard_map` (XLA partitions "
+    "cuDNN attention itself), or compile it for a TPU target.",
+    "tpu": "Give `shard_map` the mesh's shape rather than its devices: `mesh=mesh.abstract_mesh`.",
+}
+
+
+def trace_on_target(jitted: Any, args: list, target: Target) -> Any:
+    """`jitted.trace(*args)` for a compile for `target`, a `shard_map` in the step on
+    another target's devices refused in words (JAX refuses it in argument indices, or in
+    the middle of tracing for a GPU target, which is traced on its own mesh)."""
+    try:
+        traced = jitted.trace(*args)
+    except ValueError as error:
+        if "passed to shard_map" not in str(error):
+            raise
+        context = jax.sharding.get_abstract_mesh()
+        mesh = f"a mesh other than the one it is compiled on ({context})"
+        raise ValueError(_kernel_mesh(mesh, target)) from error
+    for mesh in _shard_map_meshes(traced.jaxpr):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            continue  # an abstract mesh: compiled on the target's devices
+        platform = mesh.devices.flat[0].platform
+        if platform != target.platform:
+            described = f"a mesh of this machine's {platform} devices ({mesh})"
+            raise ValueError(_kernel_mesh(described, target))
+    return traced
+
+
+def _kernel_mesh(mesh: str, target: Target) -> str:
+    why = "whose devices are others" if "this machine" in mesh else "which JAX refuses"
+    fix = _KERNEL_MESH_FIX.get(target.platform, "")
+    return _KERNEL_MESH.format(mesh=mesh, target=target.name, why=why, fix=fix)
+
+
+def _shard_map_meshes(jaxpr: Any) -> Iterator[Any]:
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "shard_map":
+            yield eqn.params["mesh"]
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _shard_map_meshes(sub)
