@@ -2,7 +2,7 @@
 run under every strategy."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -334,20 +334,15 @@ def splash_step(heads: int, length: int, block: int) -> Callable:
     )
 
     mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
-    sizes = {
-        name: block
-        for name in (
-            "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq",
-        )
-    }  # fmt: skip
-    kernel = splash.make_splash_mha(
-        mask, head_shards=1, q_seq_shards=1, block_sizes=splash.BlockSizes(**sizes)
-    )
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
 
     def step(q, k, v):
         def loss(q, k, v):
-            out = jax.vmap(kernel)(q, k, v)
+            out = cast(jax.Array, jax.vmap(kernel)(q, k, v))
             return out.astype(jnp.float32).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
