@@ -111,6 +111,23 @@ def _link(part: dict) -> list[str]:
     return [f"Median of {part['repeats']} copies each.", "", *_table(header, rows)]
 
 
+def _kernels(part: dict) -> list[str]:
+    shape = " x ".join(map(str, part["shape"]))
+    spaces = ", ".join(f"{name}: {size:,} B" for name, size in part["workspaces"]) or "none"
+    rows = [
+        ("temp GiB", _gib(part["temp_bytes"]), _gib(part["predicted_temp_bytes"])),
+        ("step ms", _ms(part["median_seconds"]), _ms(part["predicted_seconds"])),
+    ]
+    header = ("", "measured (this device)", f"compiled for {part['target']} without it")
+    return [
+        f"Causal attention, forward and backward, q/k/v {shape} (`{part['implementation']}`).",
+        f"Workspaces the GPU compile gave cuDNN's kernels: {spaces}.",
+        *(f"Deviceless report: {note}" for note in part["report_notes"]),
+        "",
+        *_table(header, rows),
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     parts = result["parts"]
     took = ", ".join(f"{k} {v:.0f} s" for k, v in result["part_seconds"].items())
@@ -131,6 +148,7 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         ("fit", "3. ox.fit against the hardware", lambda: _fit(parts["fit"])),
         ("link", "5. The link", lambda: _link(parts["link"])),
+        ("kernels", "6. Fused attention: workspace and time", lambda: _kernels(parts["kernels"])),
     )
     for part, title, body in sections:
         if part in parts:  # `--parts` may have left it out

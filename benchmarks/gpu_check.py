@@ -2,7 +2,7 @@
 
 Every test of "gradients and updates are equal under every strategy" runs on a CPU, where
 host and device memory are the same RAM. A GPU is lent now and then, about 15 minutes at
-a time with its start; this script spends them, in five parts:
+a time with its start; this script spends them, in six parts:
 
 1. **Equivalence on the device** (the line that matters: `EQUIVALENCE PASS/FAIL`). The
    tutorial's scan (float32 and bfloat16), the experiments' decoder (its own attention)
@@ -34,6 +34,11 @@ a time with its start; this script spends them, in five parts:
 4. **Memory**: part 2's runs, peak device memory (`memory_stats()["peak_bytes_in_use"]`,
    which JAX cannot reset: see `MEMORY_METHOD`) beside the compiled device total.
 5. **The link**: `jax.device_put` between `device` and `pinned_host`, 64 KiB to 1 GiB.
+6. **Fused kernels** (`_gpu_check_kernels.py`): cuDNN causal attention, forward and
+   backward (batch 4, 4,096 tokens, 32 heads of 128), compiled for the GPU: each cuDNN
+   kernel's workspace and the compiled temp bytes beside the deviceless compile's (which
+   leaves the workspace out, `MemoryReport.notes`), and its median time beside
+   `ox.estimate`'s.
 
 The time budget on paper (H100; XLA:GPU compiles of the 1B decoder take tens of seconds
 each, small programs one to a few; a persistent compilation cache lets a run compile
@@ -45,12 +50,13 @@ a run compile and 17 calls):
 | start | imports, backend | 15 |
 | 1 equivalence | 14 scan + 7 decoder + 21 optimizer steps (+ 7 `apply_pending`), small | 110 |
 | 5 link | 8 sizes x 2 directions x 5 copies, at most 1 GiB each | 15 |
-| 2 + 4 timing, memory | decoder: 3 to 5 strategies x ~45 s; scan 5, optimizer 4 x ~8 s | 170 |
+| 6 kernels | attention: a GPU compile, a deviceless compile and estimate, 11 calls | 15 |
+| 2 + 4 timing, memory | decoder: 3 to 5 strategies x ~45 s; scan 5, optimizer 4 x ~8 s | 160 |
 | 3 fit | `ox.fit` with 3 compiles (~70 s), then up to 3 candidates at ~25 s | 140 |
 | margin | | 30 |
 | total | | 480 |
 
-The parts run in that order (the cheap link before the long ones). A case is skipped,
+The parts run in that order (the cheap link and kernels before the long ones). A case is skipped,
 and printed as skipped, when its expected time (the last case of its kind, or the
 budget's figure) would overrun its part's share: a part may use what the parts after it
 do not need. `--seconds` changes the total.
@@ -79,6 +85,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import step_time  # noqa: E402
+from _gpu_check_kernels import kernels  # noqa: E402
 from _gpu_check_parts import (  # noqa: E402
     Clock,
     equivalence,
@@ -100,9 +107,11 @@ F32_BOUND, BF16_BOUND = 1e-5, 2.0**-6
 
 # Seconds per part on paper (see the docstring); the order is the order they run in.
 BUDGETS: dict[str, dict[str, float]] = {
-    "gpu": {"equivalence": 110, "link": 15, "timing": 170, "fit": 140}
+    "gpu": {"equivalence": 110, "link": 15, "kernels": 15, "timing": 160, "fit": 140}
 }
-BUDGETS["smoke"] = {"equivalence": 35, "link": 2, "timing": 12, "fit": 8}
+BUDGETS["smoke"] = {"equivalence": 35, "link": 2, "kernels": 5, "timing": 12, "fit": 8}
+# Part 6's attention: Llama-2-7B/13B's heads at 4,096 tokens (smoke: tiny).
+ATTENTION = {"gpu": (4, 4096, 32, 128), "smoke": (1, 256, 2, 64)}
 
 
 def _equivalence_cases(size: str) -> list[dict]:
@@ -188,7 +197,7 @@ def _use_compilation_cache() -> None:
         print(f"no persistent compilation cache: {error}")
 
 
-PARTS = ("equivalence", "link", "timing", "fit")
+PARTS = ("equivalence", "link", "kernels", "timing", "fit")
 
 
 def run(
@@ -230,6 +239,9 @@ def run(
             print(line, flush=True)
     if "link" in only:
         parts["link"] = part("link", lambda: link(_link_sizes(size), 3 if size == "smoke" else 5))
+    if "kernels" in only:
+        repeats = 3 if size == "smoke" else 10
+        parts["kernels"] = part("kernels", lambda: kernels(ATTENTION[size], target, repeats))
     if "timing" in only:
         parts["timing"] = part("timing", lambda: timing(timed, target, clock, *calls, keep))
         parts["memory"] = memory(parts["timing"])

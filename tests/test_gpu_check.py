@@ -20,6 +20,14 @@ PARTS = {
     "timing": {"rows", "target", "batches", "calls_per_batch"},
     "memory": {"rows", "method", "available"},
     "fit": {"rows", "budget_bytes", "chosen", "kendall_tau", "chosen_is_fastest"},
+    "kernels": {
+        "workspaces",
+        "temp_bytes",
+        "predicted_temp_bytes",
+        "median_seconds",
+        "predicted_seconds",
+        "report_notes",
+    },  # fmt: skip
 }
 
 
@@ -61,7 +69,10 @@ def test_smoke_runs_every_part_and_the_equivalence_passes(tmp_path):
     assert all("median_seconds" in r for r in result["parts"]["timing"]["rows"])
     assert result["parts"]["link"]["rows"][0]["bytes"] == 64 * 2**10
     assert result["parts"]["fit"]["rows"]
+    kernels = result["parts"]["kernels"]
+    assert kernels["predicted_flops"] > 0 and kernels["median_seconds"] > 0
     assert path.with_suffix(".md").read_text().count("| ") > 10
+    assert "## 6. Fused attention" in path.with_suffix(".md").read_text()
 
 
 def test_parts_runs_the_parts_named_and_refuses_an_unknown_one(tmp_path):
