@@ -75,8 +75,9 @@ def tests(session: nox.Session) -> None:
 def multidevice(session: nox.Session) -> None:
     """Tests on 8 CPU devices and two processes: `nox -s multidevice` (the first 8-device
     test runs them all in one child pytest with 8 devices, beside the tests that start
-    processes of their own)."""
-    session.install("-e", ".[test,checkpoint]")
+    processes of their own). With the `tpu` extra: a Pallas kernel on a 4-chip mesh is
+    compiled for `tpu-v5p-4`."""
+    session.install("-e", ".[test,checkpoint,tpu]")
     _pytest(session, *PARALLEL, "-m", "multidevice")
 
 

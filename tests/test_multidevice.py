@@ -374,6 +374,7 @@ def test_splash_attention_in_a_shard_map_is_priced_for_one_device():
     # compiled simulation and the jaxpr count price one sequence's kernels by their
     # block mask: 4 blocks a side, 10 of 16 computed, by fwd (Q K^T, P V), dq (Q K^T, dP,
     # dQ) and dkv (Q K^T, dV, dP, dK). The jaxpr count once saw a quarter of it.
+    pytest.importorskip("libtpu", reason="needs offload_eqx[tpu]")
     mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
     heads, length, dim = 2, 1024, 128
     spec = P("fsdp")
