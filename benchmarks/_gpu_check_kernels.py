@@ -10,7 +10,6 @@ compiled temp bytes on both sides, and the step's measured median time beside wh
 Off a GPU (`--smoke`) the attention is XLA's (`implementation="xla"`), to run the code.
 """
 
-import re
 import time
 from typing import Any
 
@@ -19,11 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import offload_eqx as ox
-
-# `(..., u8[N]{0}) custom-call(...), custom_call_target="__cudnn$..."`
-_WORKSPACE = re.compile(
-    r"u8\[(\d+)\](?:\{0\})?\) custom-call\(.*?custom_call_target=\"(__cudnn\$[\w$]+)\""
-)
+from offload_eqx._inspect.workspaces import cudnn_workspaces
 
 
 def attention_step(implementation: str) -> Any:
@@ -39,11 +34,6 @@ def attention_step(implementation: str) -> Any:
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     return step
-
-
-def workspaces(hlo_text: str) -> list[tuple[str, int]]:
-    """(cuDNN custom-call target, workspace bytes) of each cuDNN kernel in a compiled text."""
-    return [(name, int(size)) for size, name in _WORKSPACE.findall(hlo_text)]
 
 
 def _median_seconds(compiled: Any, args: tuple, calls: int) -> float:
@@ -70,7 +60,7 @@ def kernels(shape: tuple[int, int, int, int], target: str, calls: int) -> dict[s
         "shape": list(shape),
         "implementation": implementation,
         "target": target,
-        "workspaces": workspaces(compiled.as_text() or ""),
+        "workspaces": cudnn_workspaces(compiled.as_text() or ""),
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "predicted_temp_bytes": report.device["temp"],
         "report_notes": list(report.notes),

@@ -346,3 +346,16 @@ def test_a_shard_map_on_this_machines_devices_is_refused_with_the_fix(target):
     if target == "tpu-v5p":
         fixed = ox.filter_jit(doubled(mesh.abstract_mesh))
         assert ox.memory_report(fixed, x, target=target).total > 0
+
+
+def test_a_gpu_compiles_cudnn_workspace_is_read_from_its_text():
+    # What a compile on a GPU prints (a sized workspace) and what a deviceless one does.
+    from offload_eqx._inspect.workspaces import cudnn_workspaces, unsized_workspaces
+
+    line = (
+        "  %fwd = (bf16[4,8,1024,128]{3,1,2,0}, f32[4,8,1024]{2,1,0}, u8[{size}]{0}) "
+        'custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", api_version=1'
+    )
+    text = "\n".join([line.replace("{size}", "1048576"), line.replace("{size}", "0")])
+    assert cudnn_workspaces(text) == [("__cudnn$fmhaSoftmax", 2**20), ("__cudnn$fmhaSoftmax", 0)]
+    assert unsized_workspaces(text) == {"__cudnn$fmhaSoftmax": 1}

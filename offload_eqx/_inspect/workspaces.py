@@ -10,16 +10,22 @@ are named here so that a report says so instead of pricing the workspace at zero
 import re
 from collections import Counter
 
-# `(..., u8[0]{0}) custom-call(...), custom_call_target="__cudnn$..."`
-_UNSIZED = re.compile(
-    r"u8\[0\](?:\{0\})?\) custom-call\(.*?custom_call_target=\"(__cudnn\$[\w$]+)\""
+# `(..., u8[N]{0}) custom-call(...), custom_call_target="__cudnn$..."`: a cuDNN kernel's
+# results end with its workspace.
+_WORKSPACE = re.compile(
+    r"u8\[(\d+)\](?:\{0\})?\) custom-call\(.*?custom_call_target=\"(__cudnn\$[\w$]+)\""
 )
+
+
+def cudnn_workspaces(hlo_text: str) -> list[tuple[str, int]]:
+    """(custom-call target, workspace bytes) of each cuDNN kernel in a compiled text."""
+    return [(name, int(size)) for size, name in _WORKSPACE.findall(hlo_text)]
 
 
 def unsized_workspaces(hlo_text: str) -> Counter[str]:
     """How many instructions of each cuDNN custom-call target were compiled with an empty
     workspace (`u8[0]`) in this compiled module's text."""
-    return Counter(match.group(1) for match in _UNSIZED.finditer(hlo_text))
+    return Counter(name for name, size in cudnn_workspaces(hlo_text) if size == 0)
 
 
 def workspace_note(kernels: Counter[str]) -> str | None:
