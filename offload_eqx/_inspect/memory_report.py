@@ -241,12 +241,14 @@ def compiled_report(program: Program, target: Target, name: str) -> tuple[Memory
         mesh=None if program.mesh is None else dict(program.mesh.shape),
         capacity=target.capacity,
         compiler_log=tuple(log),
-        notes=_notes(compiled),
+        notes=_notes(compiled, target),
     )
     return report, compiled
 
 
-def _notes(compiled: Any) -> tuple[str, ...]:
+def _notes(compiled: Any, target: Target) -> tuple[str, ...]:
+    if target.platform != "cuda":  # cuDNN kernels are XLA:GPU's only
+        return ()
     note = workspace_note(unsized_workspaces(compiled.as_text() or ""))
     return () if note is None else (note,)
 

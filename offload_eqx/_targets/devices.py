@@ -260,8 +260,8 @@ _KERNEL_MESH = (
 # the context mesh, which no mesh of this machine is.
 _KERNEL_MESH_FIX = {
     "cuda": "A step that calls `jax.shard_map` cannot yet be compiled for a GPU target "
-    "without the hardware: estimate the step without the `shard_map` (XLA partitions "
-    "cuDNN attention itself), or compile it for a TPU target.",
+    "without the hardware: estimate the step without the `shard_map`, or compile it for "
+    "a TPU target.",
     "tpu": "Give `shard_map` the mesh's shape rather than its devices: `mesh=mesh.abstract_mesh`.",
 }
 
@@ -277,19 +277,18 @@ def trace_on_target(jitted: Any, args: list, target: Target) -> Any:
             raise
         context = jax.sharding.get_abstract_mesh()
         mesh = f"a mesh other than the one it is compiled on ({context})"
-        raise ValueError(_kernel_mesh(mesh, target)) from error
+        raise ValueError(_kernel_mesh(mesh, "which JAX refuses", target)) from error
     for mesh in _shard_map_meshes(traced.jaxpr):
         if not isinstance(mesh, jax.sharding.Mesh):
             continue  # an abstract mesh: compiled on the target's devices
         platform = mesh.devices.flat[0].platform
         if platform != target.platform:
             described = f"a mesh of this machine's {platform} devices ({mesh})"
-            raise ValueError(_kernel_mesh(described, target))
+            raise ValueError(_kernel_mesh(described, "whose devices are others", target))
     return traced
 
 
-def _kernel_mesh(mesh: str, target: Target) -> str:
-    why = "whose devices are others" if "this machine" in mesh else "which JAX refuses"
+def _kernel_mesh(mesh: str, why: str, target: Target) -> str:
     fix = _KERNEL_MESH_FIX.get(target.platform, "")
     return _KERNEL_MESH.format(mesh=mesh, target=target.name, why=why, fix=fix)
 
