@@ -30,6 +30,7 @@ from .._sharding.host_compute import (
     check_host_compute,
     compiler_options,
     host_computations,
+    host_inline,
     on_host_if_cheap,
 )
 from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
@@ -156,6 +157,9 @@ class Compilation:
     key: Any = None  # the cache key it is held under (structure and static leaves)
     donate: str = "none"  # the wrapper's option (its warnings at the compiling call)
     first_call: bool = True  # the next call compiles the program
+    # The donated arguments in host memory that only a target inlining the host
+    # computation donates (`Plan.donated`); the deviceless compiles read it.
+    host_donated: tuple[int, ...] = ()
 
     def moved(self, dynamic: Sequence[Any]) -> list:
         """The arguments, each not yet in its planned memory (or, over a mesh, sharding)
@@ -302,9 +306,12 @@ def compile_entry(
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
     host_update = bool(set(host_computations(closed)) & set(HOST_UPDATE))
-    donated = plan.donated(donate, out_treedef, out_mask, out_avals, keep_root, host_update)
+    donation = (donate, out_treedef, out_mask, out_avals, keep_root, host_update)
+    donated = plan.donated(*donation, host_inline=host_inline(platform))
     if donated and not donate_on_error:
         donated = _unless_it_can_raise(closed, donated, caller)
+    # What a target whose host computation is a call of its own (XLA:GPU) does not donate.
+    host_donated = tuple(sorted(set(donated) - set(plan.donated(*donation, host_inline=False))))
     # Off a mesh, a program that places values on devices itself gets jit's placement
     # for its device arguments and results (None), as under `jax.jit`.
     to_jit = plan.mesh is None and places_on_devices(closed)
@@ -316,6 +323,10 @@ def compile_entry(
         in_shardings=plan.argument_shardings(to_jit),
         out_shardings=list(out_shardings),
         donate_argnums=donated,
+        # A donated argument the program does not read (the parameters an optimizer with
+        # masters writes anew) is kept, so that its buffer takes the new value in place;
+        # pruned, its donation is lost and every step allocates the output afresh.
+        keep_unused=bool(donated),
         compiler_options=compiler_options(closed, platform),
     )
     return Compilation(
@@ -327,6 +338,7 @@ def compile_entry(
         out_avals=out_avals,
         out_shardings=out_shardings,
         donate_argnums=donated,
+        host_donated=host_donated,
         out_cell=cell,
         remake=remake,
         jaxpr=closed,

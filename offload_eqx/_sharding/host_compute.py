@@ -87,6 +87,14 @@ def host_update_problem(platform: str) -> str | None:
     return HOST_UPDATE_PROBLEMS.get(platform)
 
 
+def host_inline(platform: str) -> bool:
+    """Whether a host computation is inlined in the step on `platform`: XLA:CPU compiles
+    it with the rest of the program, on the same memory, so its results can be written
+    into donated arguments in place. XLA:GPU runs it as a host call of its own, whose
+    results get buffers of their own."""
+    return platform == "cpu"
+
+
 def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
     """Raise a `ValueError` if the traced step updates its optimizer state on the host
     and `platform` refuses that: decided when the step is compiled, never a silent

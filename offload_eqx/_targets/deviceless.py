@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._declare.placement import MEMORIES
-from .._sharding.host_compute import check_host_compute, compiler_options
+from .._sharding.host_compute import check_host_compute, compiler_options, host_inline
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
 from .compile_memo import compile_once
@@ -63,6 +63,15 @@ class Program:
     # callable(out_avals) -> one PartitionSpec per output over `mesh`, or None: the
     # compiler's choice (the output's memory then follows its traced type).
     out_specs: Any = None
+    # Of `donate_argnums`, those donated only where the target inlines the host
+    # computation (`host_inline`): the optimizer state a host update writes in place.
+    host_donated: tuple[int, ...] = ()
+
+    def donated_on(self, platform: str) -> tuple[int, ...]:
+        """The arguments donated when compiling for `platform`."""
+        if host_inline(platform):
+            return self.donate_argnums
+        return tuple(i for i in self.donate_argnums if i not in self.host_donated)
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -124,6 +133,7 @@ def program_of_step(wrapper: Any, args: tuple, kwargs: dict) -> Program:
         specs=specs,
         out_memory=lambda out_avals: list(entry.out_memories),
         donate_argnums=tuple(entry.donate_argnums),
+        host_donated=tuple(entry.host_donated),
         mesh=mesh,
         # Outputs shaped like an argument keep its shardings (the updated model stays
         # FSDP-sharded); the others are left to the compiler, as when the step runs.
@@ -263,7 +273,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     def compile_with(out_shardings: list | None) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)
         options: dict[str, Any] = {
-            "donate_argnums": program.donate_argnums,
+            "donate_argnums": program.donated_on(target.platform),
             "compiler_options": xla_options,
         }
         if out_shardings is not None:
