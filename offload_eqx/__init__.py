@@ -24,7 +24,8 @@ Import it as `import offload_eqx as ox`. The entry points, by task:
   (`target="h100"` or `"tpu-v5p"`).
 - Plan a run: `ox.estimate` (predicted step time: the compiled program's schedule
   simulated, `StepEstimate.timeline` as a Chrome trace), `ox.fit` (the fastest plan that
-  fits), `ox.max_batch` (the largest batch that fits).
+  fits), `ox.max_batch` (the largest batch that fits); `ox.calibrate_host` measures the
+  host you plan for (the optimizer update on the host runs at its threads' bandwidth).
 - Checkpoints: `ox.save_checkpoint`, `ox.restore_checkpoint`.
 
 Every public name has a docstring (`help(ox.fit)`). The repository's README.md has the
@@ -79,6 +80,7 @@ from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._planning.estimate import StepEstimate as StepEstimate, estimate as estimate
 from ._planning.events import Event as Event, Simulation as Simulation
 from ._planning.max_batch import max_batch as max_batch
+from ._targets.calibrate import calibrate_host as calibrate_host
 from ._targets.targets import (
     TARGETS as TARGETS,
     Speeds as Speeds,

@@ -41,6 +41,7 @@ from .._targets.targets import Speeds
 from .events import RESOURCES, Event, Simulation
 from .fused import KernelCost, Key
 from .hlo import Computation, Instruction, Module, arrays, nbytes, parse_module
+from .host_work import host_bytes, host_computation_bandwidth
 from .kernels import (
     COLLECTIVES,
     Work,
@@ -49,7 +50,6 @@ from .kernels import (
     inner_flops,
     instruction_work,
     is_free,
-    parameter_read_bytes,
     piece_work,
 )
 
@@ -93,27 +93,15 @@ class _Simulator:
         )
 
     def host_seconds(self, name: str) -> float:
-        """A host computation, as XLA:CPU compiles it (its elementwise work fused into
-        loops): one pass over what it reads (of an operand it only slices, the slices: a
-        layer of a host stack) and writes, and one more read of what each reduction
-        reduces (a global norm must be known before the update that uses it), at the
-        host's bandwidth; or its dots at the host's FLOP rate, if longer."""
-        computation = self.module.computations.get(name)
-        if computation is None:
+        """A host computation: the bytes it moves as XLA:CPU compiles it (`host_work`)
+        at the bandwidth one host computation gets, or its dots at the host's FLOP rate,
+        if longer."""
+        if name not in self.module.computations:
             return 0.0
-        moved = sum(
-            parameter_read_bytes(computation, i)
-            for i in computation.instructions
-            if i.opcode == "parameter"
-        )
-        moved += nbytes(computation.root.type)
-        moved += sum(
-            nbytes(self.module.operand_type(computation, i.operands[0]))
-            for i in computation.instructions
-            if i.opcode == "reduce" and i.operands
-        )
+        moved = host_bytes(self.module, name)
         flops = inner_flops(self.module, name)
-        return max(flops / self.speeds.host_flops, moved / self.speeds.host_bandwidth)
+        bandwidth = host_computation_bandwidth(self.speeds)
+        return max(flops / self.speeds.host_flops, moved / bandwidth)
 
     def device_side_seconds(self, start: Instruction) -> float:
         """A host computation's operands in device memory cross the link before it runs,

@@ -33,6 +33,7 @@ from .._jit.jit import FilterJit
 from .._targets.calibrate import cpu_speeds
 from .._targets.targets import Speeds, Target
 from .flops import PhaseWork, count_work, kernel_table
+from .host_work import host_computation_bandwidth
 
 PHASES = ("forward", "backward", "update")
 
@@ -135,7 +136,7 @@ def _work(jaxpr: Any, speeds: Speeds, constants: Mapping[Any, Any]) -> Mapping[s
         flop_rate=speeds.flops * speeds.efficiency,
         byte_rate=speeds.memory_bandwidth,
         host_flop_rate=speeds.host_flops,
-        host_byte_rate=speeds.host_bandwidth,
+        host_byte_rate=host_computation_bandwidth(speeds),
         peak_flop_rate=speeds.flops,
         constants=dict(constants),
     )

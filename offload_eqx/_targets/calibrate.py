@@ -6,9 +6,11 @@ several runs (the least disturbed by other work on the machine):
 
 - `flops`: a float32 matrix multiply of `MATMUL` x `MATMUL` (the rate of a large
   matmul; `efficiency` is 1, since the measurement already is a reachable rate);
-- `memory_bandwidth`: an elementwise add over `STREAM` float32 values (two read, one
-  written);
-- `h2d_bandwidth`, `d2h_bandwidth`: a `jax.device_put` of `STREAM` float32 values between
+- `memory_bandwidth`: STREAM's triad `a = b + s c` over `STREAM` float32 values per
+  array (12 bytes an element: two read, one written into a donated buffer, so no page
+  is new), arrays larger than the last-level caches of common CPUs: the bandwidth of
+  main memory, which a step's large arrays (an optimizer state) stream at;
+- `h2d_bandwidth`, `d2h_bandwidth`: a `jax.device_put` of `LINK` float32 values between
   the CPU's device and `pinned_host` memory spaces inside a jitted program (a copy
   within this machine's RAM);
 - host compute runs on the same cores: `host_flops`, `host_bandwidth` are the same
@@ -25,6 +27,7 @@ Measured in float32: bfloat16 arithmetic on a CPU is emulated and far slower, so
 CPU steps in float32.
 """
 
+import dataclasses
 import functools
 import os
 import time
@@ -33,11 +36,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .targets import Speeds
+from .targets import Speeds, Target, get_target
 
 MATMUL = 1024
-STREAM = 4 * 2**20  # float32 values: 16 MiB per array
+STREAM = 16 * 2**20  # float32 values: 64 MiB per array, 192 MiB in all
+LINK = 4 * 2**20  # float32 values copied between memory spaces: 16 MiB
 LAUNCHES = 200
 FRESH = 16 * 2**20  # float32 values: 64 MiB, above glibc's largest reuse threshold
 TRANSPOSE = (1024, 2048)  # 8 MiB
@@ -69,16 +74,28 @@ def cpu_speeds() -> Speeds:
     matmul = jax.jit(lambda a: a @ a)
     flops = 2 * MATMUL**3 / _best_seconds(lambda: matmul(a))
 
-    x = jax.device_put(jnp.ones((STREAM,), jnp.float32), cpu)
-    add = jax.jit(lambda x: x + x)
-    memory_bandwidth = 3 * 4 * STREAM / _best_seconds(lambda: add(x))
+    memory_bandwidth = _triad_bandwidth(cpu)
+    x = jax.device_put(jnp.ones((LINK,), jnp.float32), cpu)
 
     down = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
     on_host = down(x)
     up = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))
-    d2h = 4 * STREAM / _best_seconds(lambda: down(x))
-    h2d = 4 * STREAM / _best_seconds(lambda: up(on_host))
+    d2h = 4 * LINK / _best_seconds(lambda: down(x))
+    h2d = 4 * LINK / _best_seconds(lambda: up(on_host))
     return _with_overheads(flops, memory_bandwidth, h2d, d2h, cpu)
+
+
+def _triad_bandwidth(cpu: Any) -> float:
+    """STREAM's triad, the result written over a donated (unread, kept) argument."""
+    b, c = (jax.device_put(jnp.full((STREAM,), v, jnp.float32), cpu) for v in (1.0, 2.0))
+    triad = jax.jit(lambda a, b, c: b + 1.5 * c, donate_argnums=0, keep_unused=True)
+    cell = [jax.device_put(jnp.zeros((STREAM,), jnp.float32), cpu)]
+
+    def run() -> jax.Array:
+        cell[0] = triad(cell[0], b, c)
+        return cell[0]
+
+    return 3 * 4 * STREAM / _best_seconds(run)
 
 
 def _launch_seconds(cpu: Any) -> float:
@@ -122,3 +139,53 @@ def _with_overheads(
         first_touch_bandwidth=_first_touch_bandwidth(cpu),
         transpose_bandwidth=_transpose_bandwidth(cpu),
     )
+
+
+HOST_STREAM = 32 * 2**20  # float32 values per array of the one-thread measurement: 128 MiB
+
+
+def _one_thread_bandwidth() -> float:
+    """NumPy's `add(b, c, out=a)` (one thread, 12 bytes an element, no new page)."""
+    a, b, c = (np.full(HOST_STREAM, v, np.float32) for v in (0.0, 1.0, 2.0))
+    np.add(b, c, out=a)
+    best = float("inf")
+    for _ in range(_REPEATS // 2):
+        start = time.perf_counter()
+        np.add(b, c, out=a)
+        best = min(best, time.perf_counter() - start)
+    return 3 * 4 * HOST_STREAM / best
+
+
+def calibrate_host(target: "str | Target") -> Target:
+    """`target` with its host measured on this machine: run it on the host of the
+    accelerator you plan for (the GPU machine), and pass the result as `target=` to
+    `ox.estimate`, `ox.fit` and `ox.max_batch`.
+
+    A host computation (the optimizer update on the host) streams at the bandwidth of
+    the threads XLA gives it (its intra-op pool: the machine's cores), at most the
+    memory's; a datasheet says neither for the host a GPU is actually in. This measures
+    both in about a second: `host_thread_bandwidth`, one thread's (NumPy's `add` over
+    128 MiB arrays, 12 bytes an element), and `host_bandwidth`, every core's
+    (XLA:CPU's triad, as `ox.estimate(..., target="cpu")` measures it), with
+    `host_threads` the cores this process may use, and returns a `Target` named
+    `"<name>+host"` with those figures in its `Speeds` (its source says so). Nothing is
+    registered. On a machine whose GPUs all update at once, divide `host_bandwidth` by
+    their number (`dataclasses.replace`)."""
+    base = get_target(target)
+    if base.speeds is None:
+        raise ValueError(
+            f"ox.calibrate_host({base.name!r}): this target has no datasheet speeds to "
+            "calibrate (its speeds are this machine's, measured already); pass a "
+            "target such as 'h100'."
+        )
+    one = _one_thread_bandwidth()
+    every = max(cpu_speeds().memory_bandwidth, one)
+    speeds = dataclasses.replace(
+        base.speeds,
+        host_bandwidth=every,
+        host_thread_bandwidth=one,
+        host_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
+        source=f"{base.speeds.source}; host measured by ox.calibrate_host "
+        f"({os.cpu_count()} cores: {one / 1e9:.1f} GB/s a thread, {every / 1e9:.1f} all)",
+    )
+    return dataclasses.replace(base, name=f"{base.name}+host", speeds=speeds)

@@ -272,8 +272,10 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
 
     def compile_with(out_shardings: list | None) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)
+        donated = program.donated_on(target.platform)
         options: dict[str, Any] = {
-            "donate_argnums": program.donated_on(target.platform),
+            "donate_argnums": donated,
+            "keep_unused": bool(donated),  # as the step compiles it (`_jit.compile`)
             "compiler_options": xla_options,
         }
         if out_shardings is not None:

@@ -54,6 +54,10 @@ class Speeds:
     - `host_flops`, `host_bandwidth`: the host CPU cores and memory bandwidth that serve
         one device (the machine's figures divided by its devices), for host-side compute.
     - `host_memory`: host memory per device, bytes (the machine's divided by its devices).
+    - `host_threads`, `host_thread_bandwidth`: the threads one host computation runs on
+        (XLA:GPU: the machine's cores shared by its GPUs) and the bytes/s one streams
+        from host memory; a host computation is priced at `host_threads *
+        host_thread_bandwidth`, at most `host_bandwidth`. 0: at `host_bandwidth`.
     - `kernel_launch`: seconds every kernel takes beyond its roofline time (launch and
         ramp; on a CPU, XLA's dispatch of one instruction). 0: not priced.
     - `interconnect_bandwidth`: bytes/s one device sends to its peers in a collective
@@ -84,6 +88,8 @@ class Speeds:
     interconnect_bandwidth: float = 0.0
     first_touch_bandwidth: float = 0.0
     transpose_bandwidth: float = 0.0
+    host_threads: int = 0
+    host_thread_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -148,6 +154,8 @@ _MAY_BE_ZERO = (
     "interconnect_bandwidth",
     "first_touch_bandwidth",
     "transpose_bandwidth",
+    "host_threads",
+    "host_thread_bandwidth",
 )
 
 
@@ -221,6 +229,14 @@ _GH200_HBM = _gpu_capacity("gh200.txtpb")
 
 _G = 1e9
 _T = 1e12
+# The bytes/s one host thread streams while it updates optimizer state (reading and
+# writing several arrays): an assumption, 20 GB/s, until a GPU machine's host measures
+# it (`benchmarks/gpu_check.py`, part 7; `ox.calibrate_host`). Little's law bounds it: a
+# server core keeps about 48 cache misses of 64 B in flight over ~120 ns of DDR5 latency
+# (~25 GB/s); this machine's core streams 10-14. With a DGX's 14 cores per GPU it does not
+# bind (14 x 20 > 77 GB/s): the host's bandwidth share does; on a host with few cores it
+# does.
+_HOST_THREAD = 20 * _G
 # NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3 (NVIDIA H100 datasheet; the
 # 1,979 TFLOP/s there is with sparsity). Host link PCIe Gen5 x16 as NVIDIA's nvbandwidth
 # measures it: about 35 GB/s host-to-device, 53 GB/s device-to-host. Host: a DGX H100
@@ -244,6 +260,12 @@ _H100_SPEEDS = Speeds(
     kernel_launch=1.4e-6,
     # NVLink 4: 900 GB/s per GPU both ways together (H100 datasheet), 450 GB/s each way.
     interconnect_bandwidth=450 * _G,
+    # XLA:GPU runs a host computation (the optimizer update on the host) as a task of a
+    # per-GPU pool, its XLA:CPU (NanoRt) loops split over an intra-op pool of the
+    # machine's cores (XLA's host_execute_thunk.cc, host_offloading_nanort_executable.cc):
+    # a DGX H100's 112 cores shared by 8 GPUs, 14 each, at _HOST_THREAD apiece.
+    host_threads=14,
+    host_thread_bandwidth=_HOST_THREAD,
 )
 # NVIDIA GH200 Grace Hopper Superchip (NVIDIA GH200 datasheet), 96GB HBM3 version: its
 # H100 GPU (989 TFLOP/s dense BF16) with 4 TB/s HBM3, and the Grace CPU beside it over
@@ -277,6 +299,8 @@ _A100_SPEEDS = Speeds(
     host_memory=2 * 10**12 // 8,
     source="NVIDIA A100 and DGX A100 datasheets; PCIe Gen4 x16 assumed at 25 GB/s",
     interconnect_bandwidth=300 * _G,  # NVLink 3: 600 GB/s both ways (A100 datasheet)
+    host_threads=16,  # a DGX A100's 128 cores shared by 8 GPUs, as on the H100
+    host_thread_bandwidth=_HOST_THREAD,
 )
 # TPU v5p: 459 TFLOP/s BF16, 2,765 GB/s HBM2e (cloud.google.com/tpu/docs/v5p). Its host
 # link is not published: assumed 32 GB/s each way (PCIe Gen4 x16 class). Host: a
