@@ -28,6 +28,14 @@ PARTS = {
         "predicted_seconds",
         "report_notes",
     },  # fmt: skip
+    "host": {
+        "median_seconds",
+        "parameters_per_second",
+        "threads_busy",
+        "host_thread_GBps",
+        "predicted_seconds",
+        "predicted_seconds_calibrated",
+    },  # fmt: skip
 }
 
 

@@ -24,8 +24,10 @@ from .hlo import Computation, Instruction, Module, nbytes
 from .kernels import parameter_read_bytes
 
 # Operations XLA:CPU never fuses into a consumer's loop: their results are read from
-# memory by whoever uses them.
-_MATERIALISED = {"reduce", "dot", "convolution", "sort", "custom-call", "while", "conditional"}
+# memory by whoever uses them. A conditional or a loop is priced by what it calls.
+_KERNELS = {"reduce", "dot", "convolution", "sort", "custom-call"}
+_CALLS = {"conditional", "while"}
+_MATERIALISED = _KERNELS | _CALLS
 
 
 def host_computation_bandwidth(speeds) -> float:
@@ -47,14 +49,23 @@ def _results(computation: Computation) -> list[Instruction]:
     return [by_name[name] for name, _ in root.operands if name in by_name]
 
 
+def _written_elsewhere(computation: Computation, instruction: Instruction) -> bool:
+    """A value no loop of its own writes: a parameter, a value an unfused operation
+    writes, or an element of either."""
+    if instruction.opcode == "get-tuple-element" and instruction.operands:
+        source = computation.by_name.get(instruction.operands[0][0])
+        return source is None or _written_elsewhere(computation, source)
+    return instruction.opcode == "parameter" or instruction.opcode in _MATERIALISED
+
+
 def _pass_bytes(computation: Computation, result: Instruction, stops: set[str]) -> float:
     """One loop computing `result`: what it reads (parameters, other results, values
-    that are never fused) and what it writes."""
+    written elsewhere) and what it writes."""
+    if _written_elsewhere(computation, result):
+        return 0.0  # passed through, or written by its own operation (priced there)
     read: dict[str, float] = {}
     seen: set[str] = set()
     pending = [name for name, _ in result.operands]
-    if result.opcode == "parameter" or result.opcode in _MATERIALISED:
-        return 0.0  # a parameter passed through; a materialised value priced where made
     while pending:
         name = pending.pop()
         if name in seen:
@@ -65,27 +76,41 @@ def _pass_bytes(computation: Computation, result: Instruction, stops: set[str]) 
             continue
         if operand.opcode == "parameter":
             read[name] = parameter_read_bytes(computation, operand)
-        elif name in stops or operand.opcode in _MATERIALISED:
+        elif name in stops or _written_elsewhere(computation, operand):
             read[name] = float(nbytes(operand.type))
         else:
             pending.extend(n for n, _ in operand.operands)
     return sum(read.values()) + float(nbytes(result.type))
 
 
+def _unfused_bytes(module: Module, computation: Computation, instruction: Instruction) -> float:
+    """An operation with a loop of its own: a reduction or a dot reads its operands and
+    writes its result; a conditional moves what its costliest branch does (the update
+    of a delayed step, not the branch that keeps the state); a loop, its body's bytes
+    times its trip count (once, where XLA does not know it)."""
+    if instruction.opcode in _KERNELS:
+        return float(nbytes(instruction.type)) + sum(
+            float(nbytes(module.operand_type(computation, operand)))
+            for operand in instruction.operands
+        )
+    if instruction.opcode == "conditional":
+        return max((host_bytes(module, branch) for branch in instruction.calls), default=0.0)
+    if instruction.opcode == "while":
+        trips = instruction.trip_count or 1
+        return trips * sum(host_bytes(module, called) for called in instruction.calls)
+    return 0.0
+
+
 def host_bytes(module: Module, name: str) -> float:
     """The bytes the host computation `name` moves as XLA:CPU compiles it: one pass per
-    result (see the module docstring), one per reduction, and what its dots and other
-    unfused operations read and write. 0 for a name the module does not have."""
+    result (see the module docstring) and what each unfused operation moves. 0 for a
+    name the module does not have."""
     computation = module.computations.get(name)
     if computation is None:
         return 0.0
     results = _results(computation)
     stops = {r.name for r in results}
     moved = sum(_pass_bytes(computation, r, stops) for r in results)
-    for instruction in computation.instructions:
-        if instruction.opcode in _MATERIALISED:
-            moved += float(nbytes(instruction.type)) + sum(
-                float(nbytes(module.operand_type(computation, operand)))
-                for operand in instruction.operands
-            )
-    return moved
+    return moved + sum(
+        _unfused_bytes(module, computation, instruction) for instruction in computation.instructions
+    )

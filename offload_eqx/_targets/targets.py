@@ -24,6 +24,8 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from .speeds import Speeds
+
 Platform = Literal["cpu", "cuda", "tpu"]
 
 _TARGET_DIR = pathlib.Path(__file__).parent / "configs"
@@ -38,74 +40,6 @@ _UNKNOWN_TARGET = (
     "Unknown target {target!r}; expected one of {known}. Targets are described in "
     "`ox.TARGETS`; add your own with `register_target(Target(...))`."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Speeds:
-    """The rates `ox.estimate` prices a step with, per device (figures in the table below,
-    each with its source).
-
-    - `flops`: peak dense matrix-multiply rate of the device, FLOP/s (bf16).
-    - `efficiency`: the fraction of `flops` a training step's matmuls reach (an
-        assumption: the MFU that well-tuned LLM training reports on the chip).
-    - `memory_bandwidth`: device memory (HBM) bandwidth, bytes/s.
-    - `h2d_bandwidth`, `d2h_bandwidth`: the host link, host-to-device and
-        device-to-host, bytes/s (the two directions run at once).
-    - `host_flops`, `host_bandwidth`: the host CPU cores and memory bandwidth that serve
-        one device (the machine's figures divided by its devices), for host-side compute.
-    - `host_memory`: host memory per device, bytes (the machine's divided by its devices).
-    - `host_threads`, `host_thread_bandwidth`: the threads one host computation runs on
-        (XLA:GPU: the machine's cores shared by its GPUs) and the bytes/s one streams
-        from host memory; a host computation is priced at `host_threads *
-        host_thread_bandwidth`, at most `host_bandwidth`. 0: at `host_bandwidth`.
-    - `kernel_launch`: seconds every kernel takes beyond its roofline time (launch and
-        ramp; on a CPU, XLA's dispatch of one instruction). 0: not priced.
-    - `interconnect_bandwidth`: bytes/s one device sends to its peers in a collective
-        (a ring's per-link rate). 0: collectives are not priced.
-    - `first_touch_bandwidth`: bytes/s at which a step's temporary buffer is first
-        written when the runtime allocates it afresh for every execution (XLA:CPU: each
-        page faulted in from the operating system). 0: not priced (a GPU's or TPU's
-        allocator keeps its memory).
-    - `transpose_bandwidth`: bytes/s a kernel that transposes moves (its reads or writes
-        strided; XLA:CPU's loop fusions). 0: at `memory_bandwidth` (a GPU's tiled
-        transposes run near it).
-    - `source`: where the figures come from, one line.
-
-    The jaxpr count (`ox.estimate(..., compile=False)`) uses the first eight; the
-    compiled-program simulation all of them.
-    """
-
-    flops: float
-    efficiency: float
-    memory_bandwidth: float
-    h2d_bandwidth: float
-    d2h_bandwidth: float
-    host_flops: float
-    host_bandwidth: float
-    host_memory: int
-    source: str = ""
-    kernel_launch: float = 0.0
-    interconnect_bandwidth: float = 0.0
-    first_touch_bandwidth: float = 0.0
-    transpose_bandwidth: float = 0.0
-    host_threads: int = 0
-    host_thread_bandwidth: float = 0.0
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "source":
-                continue
-            if field.name in _MAY_BE_ZERO and _positive_or_zero(value):
-                continue
-            if not _positive(value) or (field.name == "efficiency" and value > 1):
-                allowed = "a fraction in (0, 1]" if field.name == "efficiency" else "a number > 0"
-                raise ValueError(
-                    f"ox.Speeds({field.name}={value!r}): expected {allowed}"
-                    f"{' of bytes' if field.name == 'host_memory' else ''}. Each rate "
-                    "divides a step's work, so a zero, negative or missing one cannot "
-                    "price it; take the chip's published figure (see `ox.TARGETS`' own)."
-                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,32 +81,6 @@ class Target:
     @property
     def extra(self) -> str | None:
         return _EXTRAS[self.platform][1] if self.platform in _EXTRAS else None
-
-
-_MAY_BE_ZERO = (
-    "kernel_launch",
-    "interconnect_bandwidth",
-    "first_touch_bandwidth",
-    "transpose_bandwidth",
-    "host_threads",
-    "host_thread_bandwidth",
-)
-
-
-def _positive_or_zero(value: object) -> bool:
-    return _positive(value) or (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-    )
-
-
-def _positive(value: object) -> bool:
-    """A finite real number above zero (not a bool)."""
-    return (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, bool)
-        and bool(np.isfinite(value))
-        and bool(value > 0)
-    )
 
 
 def _check_target(target: "Target") -> None:
@@ -283,6 +191,7 @@ _GH200_SPEEDS = dataclasses.replace(
     host_bandwidth=512 * _G,
     host_memory=480 * 10**9,
     source="NVIDIA GH200 and Grace CPU Superchip datasheets; kernel launch measured on an H100",
+    host_threads=72,  # Grace's 72 cores are this GPU's alone (per thread as assumed above)
 )
 # NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (A100 datasheet). PCIe Gen4
 # x16: about 25 GB/s each way (half of Gen5). Host: a DGX A100 (2 TB, 2x EPYC 7742, 128
