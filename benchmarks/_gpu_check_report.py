@@ -128,6 +128,24 @@ def _kernels(part: dict) -> list[str]:
     ]
 
 
+def _host(part: dict) -> list[str]:
+    rows = [
+        ("step ms", _ms(part["median_seconds"])),
+        ("parameters per second", f"{part['parameters_per_second']:.3g}"),
+        ("threads busy", f"{part['threads_busy']:.2f} of {part['cores']} cores"),
+        ("one host thread GB/s (ox.calibrate_host)", f"{part['host_thread_GBps']:.1f}"),
+        ("all cores GB/s", f"{part['host_all_cores_GBps']:.1f}"),
+        (f"predicted ms ({part['target']})", _ms(part["predicted_seconds"])),
+        ("predicted ms (host measured)", _ms(part["predicted_seconds_calibrated"])),
+    ]
+    return [
+        f"AdamW, float32 masters of {part['parameters']:,} bfloat16 parameters, updated on "
+        "the host.",
+        "",
+        *_table(("", "value"), rows),
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     parts = result["parts"]
     took = ", ".join(f"{k} {v:.0f} s" for k, v in result["part_seconds"].items())
@@ -149,6 +167,7 @@ def markdown(result: dict[str, Any]) -> str:
         ("fit", "3. ox.fit against the hardware", lambda: _fit(parts["fit"])),
         ("link", "5. The link", lambda: _link(parts["link"])),
         ("kernels", "6. Fused attention: workspace and time", lambda: _kernels(parts["kernels"])),
+        ("host", "7. The optimizer update on the host", lambda: _host(parts["host"])),
     )
     for part, title, body in sections:
         if part in parts:  # `--parts` may have left it out

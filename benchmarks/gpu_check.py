@@ -2,7 +2,7 @@
 
 Every test of "gradients and updates are equal under every strategy" runs on a CPU, where
 host and device memory are the same RAM. A GPU is lent now and then, about 15 minutes at
-a time with its start; this script spends them, in six parts:
+a time with its start; this script spends them, in seven parts:
 
 1. **Equivalence on the device** (the line that matters: `EQUIVALENCE PASS/FAIL`). The
    tutorial's scan (float32 and bfloat16), the experiments' decoder (its own attention)
@@ -39,6 +39,11 @@ a time with its start; this script spends them, in six parts:
    kernel's workspace and the compiled temp bytes beside the deviceless compile's (which
    leaves the workspace out, `MemoryReport.notes`), and its median time beside
    `ox.estimate`'s.
+7. **The host update on the GPU machine's host** (`_gpu_check_host.py`, added
+   2026-11-29): `benchmarks/host_update.py`'s step at 200M parameters (AdamW, float32
+   masters, `update_on="host"`): its median time, parameters per second and threads
+   busy, `ox.calibrate_host`'s measurement of that host, and `ox.estimate`'s prediction
+   with the target's host figures and with the measured ones.
 
 The time budget on paper (H100; XLA:GPU compiles of the 1B decoder take tens of seconds
 each, small programs one to a few; a persistent compilation cache lets a run compile
@@ -51,9 +56,10 @@ a run compile and 17 calls):
 | 1 equivalence | 14 scan + 7 decoder + 21 optimizer steps (+ 7 `apply_pending`), small | 110 |
 | 5 link | 8 sizes x 2 directions x 5 copies, at most 1 GiB each | 15 |
 | 6 kernels | attention: a GPU compile, a deviceless compile and estimate, 11 calls | 15 |
+| 7 host | two deviceless estimates, a host calibration, 6 host updates of ~0.5 s | 15 |
 | 2 + 4 timing, memory | decoder: 3 to 5 strategies x ~45 s; scan 5, optimizer 4 x ~8 s | 160 |
 | 3 fit | `ox.fit` with 3 compiles (~70 s), then up to 3 candidates at ~25 s | 140 |
-| margin | | 30 |
+| margin | | 15 |
 | total | | 480 |
 
 The parts run in that order (the cheap link and kernels before the long ones). A case is skipped,
@@ -85,6 +91,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import step_time  # noqa: E402
+from _gpu_check_host import host_update  # noqa: E402
 from _gpu_check_kernels import kernels  # noqa: E402
 from _gpu_check_parts import (  # noqa: E402
     Clock,
@@ -107,9 +114,18 @@ F32_BOUND, BF16_BOUND = 1e-5, 2.0**-6
 
 # Seconds per part on paper (see the docstring); the order is the order they run in.
 BUDGETS: dict[str, dict[str, float]] = {
-    "gpu": {"equivalence": 110, "link": 15, "kernels": 15, "timing": 160, "fit": 140}
+    "gpu": {"equivalence": 110, "link": 15, "kernels": 15, "host": 15, "timing": 160, "fit": 140}
 }
-BUDGETS["smoke"] = {"equivalence": 35, "link": 2, "kernels": 5, "timing": 12, "fit": 8}
+BUDGETS["smoke"] = {
+    "equivalence": 35,
+    "link": 2,
+    "kernels": 5,
+    "host": 5,
+    "timing": 12,
+    "fit": 8,
+}
+# Part 7's host update: parameters (smoke: 1M).
+HOST_PARAMETERS = {"gpu": 200_000_000, "smoke": 1_000_000}
 # Part 6's attention: Llama-2-7B/13B's heads at 4,096 tokens (smoke: tiny).
 ATTENTION = {"gpu": (4, 4096, 32, 128), "smoke": (1, 256, 2, 64)}
 
@@ -197,7 +213,7 @@ def _use_compilation_cache() -> None:
         print(f"no persistent compilation cache: {error}")
 
 
-PARTS = ("equivalence", "link", "kernels", "timing", "fit")
+PARTS = ("equivalence", "link", "kernels", "host", "timing", "fit")
 
 
 def run(
@@ -242,6 +258,10 @@ def run(
     if "kernels" in only:
         repeats = 3 if size == "smoke" else 10
         parts["kernels"] = part("kernels", lambda: kernels(ATTENTION[size], target, repeats))
+    if "host" in only:
+        repeats = 2 if size == "smoke" else 5
+        host = HOST_PARAMETERS[size]
+        parts["host"] = part("host", lambda: host_update(host, target, repeats))
     if "timing" in only:
         parts["timing"] = part("timing", lambda: timing(timed, target, clock, *calls, keep))
         parts["memory"] = memory(parts["timing"])
