@@ -330,6 +330,20 @@ def _call_name(instruction: Instruction) -> str:
     return re.sub(r"\.\d+$", "", instruction.name)
 
 
+def _traced_cost(
+    table: Mapping[Key, KernelCost], name: str, shapes: Sequence[Sequence[int]]
+) -> KernelCost | None:
+    """What the traced program says of this kernel: by its name and operand shapes, or,
+    where the compiled call is named after the scope it is called from (a kernel called
+    directly in the step: `jit(step)/pallas_call`), by its operand shapes alone when one
+    traced kernel has them."""
+    key = kernel_key(name, shapes)
+    if key in table:
+        return table[key]
+    same = {cost for (_, traced), cost in table.items() if traced == key[1]}
+    return same.pop() if len(same) == 1 else None
+
+
 def custom_call_cost(
     module: Module,
     computation: Computation,
@@ -345,8 +359,9 @@ def custom_call_cost(
         return cudnn_attention_call(operands, instruction.attributes, target)
     name = _call_name(instruction)
     shapes = [a.dims if a is not None else () for a in operands]
-    if table and kernel_key(name, shapes) in table:
-        return table[kernel_key(name, shapes)]
+    traced = _traced_cost(table or {}, name, shapes)
+    if traced is not None:
+        return traced
     declared = re.search(
         r'"cost_estimate":\s*\{"flops":\s*"?(\d+)"?,\s*"transcendentals":\s*"?\d+"?,\s*'
         r'"bytes_accessed":\s*"?(\d+)',
