@@ -619,3 +619,75 @@ def test_a_save_inside_a_jitted_function_is_refused_naming_the_leaf(tmp_path):
     with pytest.raises(ValueError, match=r"`tree\['x'\]` is a traced value \(float32\[2\]\)"):
         jax.jit(lambda x: ox.save_checkpoint(tmp_path / "ckpt", {"x": x}))(jnp.ones(2))
     assert list(tmp_path.iterdir()) == []
+
+
+# -- issue 50: names that collide, checksum files that are not ours -------------------
+
+
+@pytest.mark.parametrize(
+    "tree, first, second",
+    [
+        ({"a.b": jnp.ones(2), "a": {"b": jnp.zeros(2)}}, r"tree\['a'\]\['b'\]", r"tree\['a.b'\]"),
+        (
+            {"encoder": {"w1": jnp.ones(2)}, "encoder.w1": jnp.zeros(2)},
+            r"tree\['encoder'\]\['w1'\]",
+            r"tree\['encoder.w1'\]",
+        ),
+    ],
+)
+def test_leaves_stored_under_one_name_are_refused_before_writing(tmp_path, tree, first, second):
+    """Item 13: Orbax names each array by its keys joined with dots; two leaves with one
+    name were stored as one, and the restore returned the second for both."""
+    with pytest.raises(
+        ValueError, match=rf"`{first}.*` and `{second}.*` would be stored under one name"
+    ):
+        ox.save_checkpoint(tmp_path / "ckpt", tree)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["symlink to /dev/zero", "fifo", "sparse 1 GiB"])
+def test_a_checksum_file_that_is_not_a_file_is_not_read(tmp_path, kind):
+    """Item 16: a checkpoint can be downloaded; its checksum file is read only when it is
+    a regular file of bounded size, never through a link or from a device."""
+    run = _saved_run(tmp_path)
+    checksums = run / "step_1" / "offload_eqx_checksums.json"
+    checksums.unlink()
+    if kind == "symlink to /dev/zero":
+        checksums.symlink_to("/dev/zero")
+        match = r"is a symbolic link \(to `/dev/zero`\)"
+    elif kind == "fifo":
+        os.mkfifo(checksums)
+        match = r"is not a regular file"
+    else:
+        with open(checksums, "wb") as f:
+            f.truncate(2**30)
+        match = r"larger than 256 MiB"
+    with pytest.raises(ValueError, match=rf"offload_eqx_checksums.json.*{match}"):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda e: e.pop("crc32"), r"`crc32` '<missing>'; expected a CRC32"),
+        (lambda e: e.update(crc32=None), r"`crc32` None; expected a CRC32"),
+        (lambda e: e.update(crc32="0xdeadbeef"), r"`crc32` '0xdeadbeef'; expected a CRC32"),
+        (lambda e: e.pop("shape"), r"`shape` '<missing>'; expected a list of sizes"),
+        (lambda e: e.update(keys="w"), r"`keys` 'w'; expected a list of keys"),
+    ],
+)
+def test_a_damaged_checksum_entry_names_the_file_and_the_leaf(tmp_path, change, match):
+    """Item 17: every entry is validated; a damaged one raised KeyError or TypeError about
+    format codes, naming neither the file nor the leaf."""
+    run = _saved_run(tmp_path)
+    file = run / "step_1" / "offload_eqx_checksums.json"
+    document = json.loads(file.read_text())
+    change(document["leaves"]["['w']"])
+    file.write_text(json.dumps(document))
+    with pytest.raises(
+        ValueError,
+        match=rf"offload_eqx_checksums.json` in `.*step_1` is damaged: its entry for `\['w'\]` has {match}",
+    ):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+    restored = ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny), verify=False)
+    assert np.array_equal(restored["w"], _tiny()["w"])

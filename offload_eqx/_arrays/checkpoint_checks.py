@@ -11,6 +11,7 @@ that name the first leaf a stored tree and `like` disagree on.
 import json
 import os
 import re
+import stat
 import zlib
 from typing import Any
 
@@ -75,6 +76,24 @@ _CHECKSUMS_DAMAGED = (
     "{caller}: `{file}` in `{path}` cannot be read ({cause}): the checkpoint is damaged. "
     "Pass `verify=False` to restore it without checking its arrays."
 )
+_SAME_NAME = (
+    "{caller}: `{first}` and `{second}` would be stored under one name, `{name}` (Orbax "
+    "names each array by its keys joined with dots), and the second would overwrite the "
+    "first; nothing was written. Rename one of them, say the key `{key}` (or save the "
+    "two trees apart)."
+)
+_CHECKSUMS_UNREAD = (
+    "{caller}: `{file}` in `{path}` is {what}, not a checksum file `ox.save_checkpoint` "
+    "writes: the checkpoint is damaged or not one of ours, and it was not read. Pass "
+    "`verify=False` to restore it without checking its arrays."
+)
+_CHECKSUM_ENTRY = (
+    "{caller}: `{file}` in `{path}` is damaged: its entry for `{leaf}` has {field} "
+    "{value!r}; expected {expected}. Pass `verify=False` to restore it without checking "
+    "its arrays."
+)
+# The largest checksum file read: about 200 bytes a leaf, so a million leaves.
+CHECKSUMS_LIMIT = 256 * 2**20
 _ABSTRACT_LEAF = (
     "{caller}: `{path}` is {value}, an abstract array with a shape and a dtype but no "
     "values (what `eqx.filter_eval_shape` and `jax.eval_shape` give): there is nothing to "
@@ -150,6 +169,22 @@ def check_savable(caller: str, tree: Any) -> None:
             raise ValueError(_NOT_NUMBERS.format(caller=caller, path=path, dtype=leaf.dtype))
         if isinstance(leaf, jax.Array) and _local_only(leaf):
             raise ValueError(_LOCAL_ONLY.format(caller=caller, path=path, sharding=leaf.sharding))
+
+
+def check_unique_names(caller: str, tree: Any) -> None:
+    """No two leaves of `tree` get one name in Orbax's files (`{'a.b': x, 'a': {'b':
+    y}}`, a field `encoder` beside a key `'encoder.w1'`); else a `ValueError` naming
+    both, before anything is written (Orbax stored both under one name)."""
+    seen: dict[str, str] = {}
+    for keys, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(key_of(k) for k in keys)
+        path = format_path("tree", keys)
+        if name in seen:
+            key = next((key_of(k) for k in keys if "." in key_of(k)), key_of(keys[-1]))
+            raise ValueError(
+                _SAME_NAME.format(caller=caller, first=seen[name], second=path, name=name, key=key)
+            )
+        seen[name] = path
 
 
 def _local_only(leaf: jax.Array) -> bool:
@@ -310,18 +345,76 @@ def read_checksums(caller: str, path: str) -> dict[tuple[str, ...], Any] | None:
     """The checksums `ox.save_checkpoint` wrote, by key path; None when there are none
     (a checkpoint that Orbax wrote)."""
     file = os.path.join(path, CHECKSUMS)
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         return None
+    _check_readable(caller, path, file)
     try:
-        with open(file) as opened:
-            leaves = json.load(opened)["leaves"].values()
-        return {tuple(leaf["keys"]): leaf for leaf in leaves}
+        with open(file, "rb") as opened:
+            text = opened.read(CHECKSUMS_LIMIT + 1)
+        if len(text) > CHECKSUMS_LIMIT:
+            raise ValueError(f"it is larger than {CHECKSUMS_LIMIT // 2**20} MiB")
+        leaves = json.loads(text)["leaves"]
+        entries = [_checked_entry(caller, path, name, leaf) for name, leaf in leaves.items()]
+        return {tuple(leaf["keys"]): leaf for leaf in entries}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        if isinstance(error, ValueError) and str(error).startswith(caller):
+            raise
         raise ValueError(
             _CHECKSUMS_DAMAGED.format(
                 caller=caller, file=CHECKSUMS, path=path, cause=f"{type(error).__name__}: {error}"
             )
         ) from error
+
+
+def _check_readable(caller: str, path: str, file: str) -> None:
+    """The checksum file is a regular file, read through no symbolic link: a link to
+    `/dev/zero` or a device would be read until the memory runs out."""
+    what = None
+    if os.path.islink(file):
+        what = f"a symbolic link (to `{os.readlink(file)}`)"
+    else:
+        try:
+            if not stat.S_ISREG(os.stat(file).st_mode):
+                what = "not a regular file (a device, a pipe or a directory)"
+        except OSError as error:
+            what = f"unreadable ({error.strerror})"
+    if what is not None:
+        message = _CHECKSUMS_UNREAD.format(caller=caller, file=CHECKSUMS, path=path, what=what)
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_entry(caller: str, path: str, name: str, leaf: Any) -> dict:
+    """One entry of the checksum file, every field of the type `write_checksums` gives it;
+    else a `ValueError` naming the file, the leaf and the field."""
+    fields = (
+        ("keys", lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+         "a list of keys (strings)"),
+        ("shape", lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v),
+         "a list of sizes (integers of 0 or more)"),
+        ("dtype", lambda v: isinstance(v, str) and bool(v), "a dtype's name"),
+        ("crc32", lambda v: _is_int(v) and 0 <= v < 2**32, "a CRC32 (an integer below 2**32)"),
+    )  # fmt: skip
+    if not isinstance(leaf, dict):
+        raise ValueError(
+            _CHECKSUM_ENTRY.format(
+                caller=caller, file=CHECKSUMS, path=path, leaf=name, field="the value",
+                value=leaf, expected="a record of keys, shape, dtype and crc32",
+            )
+        )  # fmt: skip
+    for field, valid, expected in fields:
+        value = leaf.get(field, "<missing>")
+        if field not in leaf or not valid(value):
+            raise ValueError(
+                _CHECKSUM_ENTRY.format(
+                    caller=caller, file=CHECKSUMS, path=path, leaf=name, field=f"`{field}`",
+                    value=value, expected=expected,
+                )
+            )  # fmt: skip
+    return leaf
 
 
 def verify_checksums(caller: str, path: str, restored: Any, checksums: dict) -> None:

@@ -38,6 +38,7 @@ from .checkpoint_checks import (
     check_absent,
     check_complete,
     check_savable,
+    check_unique_names,
     complete_beside,
     describe,
     has_elements,
@@ -256,6 +257,7 @@ def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
     caller = "ox.save_checkpoint"
     check_not_deleted(tree, "tree", caller, _SAVE_OUTPUTS)
     check_savable(caller, tree)
+    check_unique_names(caller, eqx.filter(tree, eqx.is_array))
     ocp = _orbax(caller)
     path = os.path.realpath(path)
     check_absent(caller, path)
