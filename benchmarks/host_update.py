@@ -84,23 +84,43 @@ def main() -> None:
     parser.add_argument("--no-estimate", action="store_true", help="skip ox.estimate")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # size:layout:moments, in a child
     args = parser.parse_args()
-    _pin_before_jax(args.threads)
+    if args.case:
+        _one_case(args)
+        return
     if args.smoke:
         args.sizes, args.layouts, args.rounds = "1e6", "4,decoder", 2
-
-    from _host_update_cases import run_case  # imports jax: after the pinning
-
-    lib = _build_kernel()
     rows = []
     for size in (int(float(s)) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
             for moments in args.moments.split(","):
-                row = run_case(size, layout, moments, args.rounds, lib, not args.no_estimate)
-                row["threads"] = args.threads
+                row = _in_a_process(args, f"{size}:{layout}:{moments}")
                 rows.append(row)
                 print(_line(row), flush=True)
     _report(rows, args)
+
+
+def _in_a_process(args: Any, case: str) -> dict:
+    """One case in a process of its own: its memory returned when it ends (a 200M case
+    holds about 3 GB a candidate), this machine's speeds measured beside it."""
+    command = [sys.executable, os.path.abspath(__file__), "--case", case]
+    command += ["--rounds", str(args.rounds), "--threads", args.threads]
+    command += ["--no-estimate"] if args.no_estimate else []
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"case {case} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _one_case(args: Any) -> None:
+    _pin_before_jax(args.threads)
+    from _host_update_cases import run_case  # imports jax: after the pinning
+
+    size, layout, moments = args.case.split(":")
+    row = run_case(int(size), layout, moments, args.rounds, _build_kernel(), not args.no_estimate)
+    row["threads"] = args.threads
+    print(json.dumps(row), flush=True)
 
 
 COLUMNS = (

@@ -111,3 +111,21 @@ def test_a_host_update_with_masters_writes_parameters_and_state_in_place_on_the_
     report = ox.memory_report(step, grads, model, state, target="cpu")
     assert report.device["alias"] == _nbytes(model) + _nbytes(state)
     assert report.device["argument"] == _nbytes(grads) + _nbytes(model) + _nbytes(state)
+
+
+def test_the_host_update_benchmark_runs_its_candidates(tmp_path):
+    """`benchmarks/host_update.py --smoke` (one case here): every candidate timed in one
+    process, the ratios of the same run, the JSON written."""
+    import json
+    import os
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_update.py"
+    command = [sys.executable, str(script), "--smoke", "--no-estimate", "--layouts", "4"]
+    command += ["--moments", "float32", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "host_update-all.json").read_text())["rows"]
+    assert row["ox"] > 0 and row["jax.jit"] > 0 and row["ox / jax.jit"] > 0
+    if "fused C" in row:  # a C compiler was found
+        assert row["ox / fused C"] > 0 and 0 < row["roofline fraction"]

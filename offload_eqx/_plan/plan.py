@@ -235,16 +235,13 @@ class Plan:
         argument that is a bare array (a batch, a loss scale) is never donated, even when
         an output has its shape: nothing says the output is its new value.
 
-        With `host_update` (the step updates its optimizer state on the host), where
-        the host computation is inlined in the step (`host_inline`: XLA:CPU), the state
-        in host memory is donated like any other: the update writes it in place, one
-        copy of the state, and no fresh buffer per step (fresh buffers cost a page fault
-        per 4 KiB on every step: a 50M-parameter update ran 2.5x slower). Where the host
-        computation is a call of its own (XLA:GPU's host call) no argument in host
-        memory is donated: the call writes its results into buffers of its own, and
-        XLA:GPU would copy each into the donated buffer afterwards (a scanned 8 x 1024^2
-        model with Adam, delayed host update, deviceless h100: four 32 MiB copies, 6.89
-        ms per step simulated against 3.05 ms undonated), saving no memory."""
+        With `host_update` (the optimizer state updated on the host), where the host
+        computation is inlined (`host_inline`: XLA:CPU) the state in host memory is
+        donated and written in place (fresh buffers, a page fault per 4 KiB each step,
+        made a 50M-parameter update 2.5x slower). Where it is a host call of its own
+        (XLA:GPU) no host-memory argument is donated: the call's results get buffers of
+        their own, copied into donated ones afterwards (8 x 1024^2 with Adam, delayed,
+        h100: four 32 MiB copies, 6.89 ms a step simulated against 3.05), saving nothing."""
         if donate == "none":
             return ()
         news = self.output_arguments(
@@ -277,9 +274,8 @@ class Plan:
         and dtypes agree. With `unique=False` every such subtree matches (updates shaped
         like the parameters are sharded like them). With `containers_only`, arguments
         that are a bare array are not matched (any array output has their structure).
-        Argument `last` is matched after the others: in `step(grads, model, state)`
-        donating all but the first, the new model is the model's, not the gradients'
-        (both have the model's structure)."""
+        Argument `last` is matched after the others (`step(grads, model, state)`: the
+        new model is the model's, not the gradients', which have its structure)."""
         structure = list(self._structure)
         if containers_only:
             structure = [
