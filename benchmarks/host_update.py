@@ -52,6 +52,7 @@ RESULTS = os.path.join(HERE, "results")
 KERNEL = os.path.join(HERE, "_host_update_kernel.c")
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 1e-4
+LAYOUTS = "4,192,decoder"
 
 
 def _pin_before_jax(threads: str) -> None:
@@ -77,7 +78,7 @@ def _build_kernel() -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10e6,50e6,200e6", help="parameters, comma-separated")
-    parser.add_argument("--layouts", default="4,192,decoder")
+    parser.add_argument("--layouts", default=LAYOUTS)
     parser.add_argument("--moments", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", default="all", choices=["all", "1"])
@@ -89,8 +90,9 @@ def main() -> None:
     if args.case:
         _one_case(args)
         return
-    if args.smoke:
-        args.sizes, args.layouts, args.rounds = "1e6", "4,decoder", 2
+    if args.smoke:  # 1M parameters, 2 rounds; two layouts unless some are given
+        args.sizes, args.rounds = "1e6", 2
+        args.layouts = "4,decoder" if args.layouts == LAYOUTS else args.layouts
     rows = []
     for size in (int(float(s)) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
