@@ -7,6 +7,7 @@ fused pass; it streams at the threads XLA gives it, at most the host's bandwidth
 
 import pathlib
 import sys
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,8 +25,8 @@ from offload_eqx._targets.targets import get_target
 
 
 class Params(eqx.Module):
-    a: jax.Array
-    b: jax.Array
+    a: Any  # arrays, or their shapes
+    b: Any
 
 
 def _masters_step(delay: int = 0):
@@ -78,7 +79,8 @@ def test_calibrate_host_measures_this_machine_into_a_target():
     assert speeds is not None and "ox.calibrate_host" in speeds.source
     assert 1e9 < speeds.host_thread_bandwidth <= speeds.host_bandwidth < 1e12
     assert speeds.host_threads >= 1
-    assert speeds.flops == get_target("h100").speeds.flops  # the GPU's figures unchanged
+    published = get_target("h100").speeds
+    assert published is not None and speeds.flops == published.flops  # the GPU's unchanged
     assert "h100+host" not in ox.TARGETS
 
 

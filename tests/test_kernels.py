@@ -135,7 +135,9 @@ def test_splash_causal_attention_is_priced_by_its_block_mask():
     assert estimate.flops == pytest.approx(kernels, rel=1e-3) and estimate.unpriced == ()
 
 
-def add_kernel(x, y, declared: bool, interpret: bool = False, flops=3 * 10**9, name="add_kernel"):
+def add_kernel(
+    x, y, declared: bool, interpret: bool = False, flops=3 * 10**9, name: str | None = "add_kernel"
+):
     def kernel(x_ref, y_ref, out_ref):
         out_ref[...] = x_ref[...] + y_ref[...]
 
