@@ -280,10 +280,10 @@ def test_h100_delayed_host_update_spans_the_forward_and_backward_loops():
     assert len(whiles) == 2
     assert order.index(start) < order.index(whiles[0]) < order.index(whiles[1]) < order.index(done)
     # The device waits for the host only for what the host work outlasts the loops by
-    # (adamw reads the parameters: 3.5 ms of host work against 3 ms of loops); without
-    # the delay, for all of it.
+    # (priced as XLA:CPU runs it, one loop per result, 5.2 ms of host work against 3 ms
+    # of loops); without the delay, for all of it.
     waited, busy = delayed.simulation.waited.get("host", 0.0), delayed.simulation.busy["host"]
-    assert waited < 0.2 * busy, delayed.simulation.waited
+    assert waited < 0.5 * busy, delayed.simulation.waited
     assert plain.simulation.waited["host"] > 0.9 * plain.simulation.busy["host"]
     # No copy of a host buffer (the parameters, the moments) into the donated outputs.
     copies = [
@@ -292,4 +292,6 @@ def test_h100_delayed_host_update_spans_the_forward_and_backward_loops():
         if i.opcode == "copy" and any(a.host and a.bytes > 2**20 for a in arrays(i.type))
     ]
     assert not copies
-    assert delayed.seconds < 0.6 * plain.seconds, (delayed.seconds, plain.seconds)
+    # Delayed, the step lasts as long as its host work (the loops hide beside it);
+    # undelayed, the loops and then the host work.
+    assert delayed.seconds < 0.7 * plain.seconds, (delayed.seconds, plain.seconds)
