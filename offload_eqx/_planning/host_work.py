@@ -20,6 +20,7 @@ times `Speeds.host_thread_bandwidth` (what one thread streams), at most the host
 `ox.calibrate_host` measures the figures on the machine itself.
 """
 
+from .._targets.speeds import Speeds
 from .hlo import Computation, Instruction, Module, nbytes
 from .kernels import parameter_read_bytes
 
@@ -30,12 +31,11 @@ _CALLS = {"conditional", "while"}
 _MATERIALISED = _KERNELS | _CALLS
 
 
-def host_computation_bandwidth(speeds) -> float:
+def host_computation_bandwidth(speeds: Speeds) -> float:
     """Bytes/s one host computation streams: `host_threads` threads at
     `host_thread_bandwidth` each (0: the host's whole `host_bandwidth`), never more than
     the host's `host_bandwidth`."""
-    per_thread = getattr(speeds, "host_thread_bandwidth", 0.0) or 0.0
-    threads = getattr(speeds, "host_threads", 0) or 0
+    per_thread, threads = speeds.host_thread_bandwidth, speeds.host_threads
     if not per_thread or not threads:
         return speeds.host_bandwidth
     return min(speeds.host_bandwidth, threads * per_thread)
