@@ -354,3 +354,29 @@ def test_model_and_state_survive_deepcopy_and_pickle(mode):
             for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(tree)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert copy.deepcopy(model.activations) == model.activations
+
+
+def test_a_model_a_step_donated_is_named_by_apply_updates_and_update_and_apply():
+    """Issue 50, item 8: arrays a donating step consumed, passed again, raised XLA's
+    "Invalid buffer passed to Execute() ... Buffer has been deleted", naming no leaf."""
+    opt = ox.offload_optimizer(optax.adam(1e-2))
+    model = scanned_model(jax.random.key(0))
+    state = opt.init(model)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    @ox.filter_jit(donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(loss_fn)(model, x)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_array))
+    # The first call moves the model to its planned memory and donates the moved copy;
+    # the second donates the first's outputs themselves.
+    model, state = step(model, state, x)
+    new_model, new_state = step(model, state, x)
+    deleted = r"`model\..*` has been deleted: it was donated to a step .* use the new `model`"
+    with pytest.raises(ValueError, match=rf"ox.apply_updates: {deleted}"):
+        ox.apply_updates(model, zeros)
+    with pytest.raises(ValueError, match=r"ox.update_and_apply: `opt_state.*` has been deleted"):
+        ox.update_and_apply(opt, zeros, state, new_model)
+    assert ox.apply_updates(new_model, zeros) is not None  # the outputs are what to pass

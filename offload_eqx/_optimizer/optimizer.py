@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._arrays.place import check_not_deleted
 from .._declare.placement import UPDATES, check_memory
 from .._sharding.memory_space import is_host_typed, to_host
 from .._trace.state import active_plan
@@ -282,6 +283,19 @@ def offload_optimizer(
     return optax.GradientTransformationExtraArgs(init_fn, cast(Any, update_fn))
 
 
+_USE_OUTPUTS = (
+    "Pass the step's outputs, which replace what it donated: after `model, opt_state, "
+    "loss = step(model, opt_state, x)`, use the new `model` and `opt_state`."
+)
+
+
+def _check_live(caller: str, **trees: Any) -> None:
+    """No array of `trees` was donated to a step before: else a `ValueError` naming the
+    first leaf, before any work (XLA's own error names a buffer, not a leaf)."""
+    for root, tree in trees.items():
+        check_not_deleted(tree, root, caller, _USE_OUTPUTS)
+
+
 def update_and_apply(
     opt: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
 ) -> tuple[Any, Any]:
@@ -297,6 +311,7 @@ def update_and_apply(
     `ox.apply_updates`, with the same result.
     """
     _check_transformation(opt, where="ox.update_and_apply's `opt`")
+    _check_live("ox.update_and_apply", grads=grads, opt_state=opt_state, params=params)
     if isinstance(opt.update, StreamedUpdate):
         return opt.update.update_and_apply(grads, opt_state, params, **extra_args)
     if isinstance(opt.update, HostUpdate) and opt.update.on_host(opt_state):
@@ -359,6 +374,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
     **Returns:** the updated model, each parameter in the memory it had. **Raises:** an
     error naming the leaf paths when `updates` were made for another model.
     """
+    _check_live("ox.apply_updates", model=model, updates=updates)
     _check_updates(model, updates)
     return combine_results(model, updates, apply_on_host(model, updates))
 
