@@ -360,7 +360,7 @@ def test_a_model_a_step_donated_is_named_by_apply_updates_and_update_and_apply()
     """Issue 50, item 8: arrays a donating step consumed, passed again, raised XLA's
     "Invalid buffer passed to Execute() ... Buffer has been deleted", naming no leaf."""
     opt = ox.offload_optimizer(optax.adam(1e-2))
-    model = scanned_model(jax.random.key(0))
+    model: Any = scanned_model(jax.random.key(0))
     state = opt.init(model)
     x = jax.random.normal(jax.random.key(1), (8, 16))
 
