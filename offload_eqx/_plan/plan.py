@@ -238,7 +238,7 @@ class Plan:
         With `host_update` (the optimizer state updated on the host), where the host
         computation is inlined (`host_inline`: XLA:CPU) the state in host memory is
         donated and written in place (fresh buffers, a page fault per 4 KiB each step,
-        made a 50M-parameter update 2.5x slower). Where it is a host call of its own
+        made a 50M-parameter update 3-5x slower). Where it is a host call of its own
         (XLA:GPU) no host-memory argument is donated: the call's results get buffers of
         their own, copied into donated ones afterwards (8 x 1024^2 with Adam, delayed,
         h100: four 32 MiB copies, 6.89 ms a step simulated against 3.05), saving nothing."""
