@@ -109,7 +109,12 @@ def _in_a_process(args: Any, case: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--case", case]
     command += ["--rounds", str(args.rounds), "--threads", args.threads]
     command += ["--no-estimate"] if args.no_estimate else []
-    done = subprocess.run(command, capture_output=True, text=True)
+    # OpenMP's threads (the fused C loop's, DeepSpeed's) spin for a while after each
+    # loop by default, holding a core the candidate timed next needs; passive, they
+    # sleep between loops as XLA's pool threads do, and each candidate runs as it would
+    # alone.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"case {case} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

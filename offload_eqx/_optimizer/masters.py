@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .fused_adamw import fused_values
 from .state import NAME, call_update
 
 _NOT_A_FLOAT = (
@@ -86,11 +87,18 @@ class MasterUpdate:
         """`(new parameter values, new state)`: the masters updated by `tx` and cast to
         the dtypes of `like` (the parameters; by default the gradients, which the backward
         pass makes in the parameters' dtypes)."""
-        wide = jax.tree_util.tree_map(lambda g: g.astype(self.dtype), grads)
-        updates, inner = call_update(self.tx, wide, state.state, state.master, extra_args)
-        master = optax.apply_updates(state.master, updates)
-        new_values = _cast_like(master, grads if like is None else like)
-        return new_values, Masters(master, inner)
+        like = grads if like is None else like
+
+        def with_optax():
+            wide = jax.tree_util.tree_map(lambda g: g.astype(self.dtype), grads)
+            updates, inner = call_update(self.tx, wide, state.state, state.master, extra_args)
+            master = optax.apply_updates(state.master, updates)
+            return _cast_like(master, like), master, inner
+
+        values, master, inner = fused_values(
+            self.tx, grads, state.master, state.state, like, extra_args, otherwise=with_optax
+        )
+        return values, Masters(master, inner)
 
     def current(self, state: Masters, like: Any) -> Any:
         """The parameters' values the masters stand for, before an update."""

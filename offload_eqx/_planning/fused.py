@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._kernels.build import target_name
 from .hlo import Computation, Instruction, Module, arrays
 
 # cuDNN's fused attention on an H100 SXM5 in BF16, head dimension 128, as the
@@ -59,6 +60,8 @@ _CUDNN_PRIMITIVES = {
     "dot_product_attention_bwd": True,
     "dot_product_attention_bwd_wrapper": True,
 }
+# offload_eqx's own host kernels (`_kernels`), by their XLA target.
+HOST_KERNELS = {target_name("adamw"): "offload_eqx's AdamW host kernel"}
 # Primitives that run a kernel XLA cannot see into.
 _OPAQUE = frozenset({"ffi_call", "tpu_custom_call", "triton_kernel_call", "mosaic_gpu_call"})
 
@@ -265,6 +268,10 @@ def eqn_cost(eqn: Any, value_of: Callable[[Any], Any]) -> KernelCost | None:
                 float(declared["bytes_accessed"]),
             )
         return unpriced(f"Mosaic kernel `{name}`", "it declares no cost estimate")
+    if prim == "ffi_call" and eqn.params.get("target_name") in HOST_KERNELS:
+        # One pass: it reads its operands and writes its results (aliased to the state
+        # it reads), as the host's other loops are priced, by their bytes.
+        return KernelCost(HOST_KERNELS[eqn.params["target_name"]])
     if prim in _OPAQUE or prim.startswith(("dot_product_attention", "triton")):
         target = eqn.params.get("target_name") or eqn.params.get("name") or prim
         return unpriced(f"`{prim}` kernel `{target}`", "no rule prices it")

@@ -9,7 +9,10 @@ that is itself a result is read back from memory by the passes that use it (it w
 written by its own loop), not recomputed; a reduction (a global norm) is one more pass
 over what it reduces. So AdamW with float32 masters for bfloat16 parameters moves 42
 bytes a parameter (mu 10, nu 10, master 16, parameter 6) where one fused pass would move
-28; the benchmark `benchmarks/host_update.py` measures both.
+28; the benchmark `benchmarks/host_update.py` measures both. Where the program is
+compiled for the CPU, `optax.adam(w)` on float32 masters is one call per leaf of our own
+kernel instead (`_optimizer.fused_adamw`): a `custom-call`, priced by the operands it
+reads and the results it writes, 28 bytes a parameter.
 
 The host runs it on its threads: XLA:GPU runs each host computation as a task of a
 per-GPU pool (at most 8 tasks at once), and the computation's loops are split over an

@@ -26,7 +26,9 @@ Equations traced here carry `compute_type="device_host"` in their context, which
 the audit and the work counter recognise host work.
 """
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -85,6 +87,31 @@ def host_update_problem(platform: str) -> str | None:
     """Why the optimizer update on the host is refused on `platform` (`"cuda"`, `"tpu"`,
     `"cpu"`), if it is."""
     return HOST_UPDATE_PROBLEMS.get(platform)
+
+
+_TRACED_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "offload_eqx_traced_for", default=None
+)
+
+
+@contextlib.contextmanager
+def traced_for(platform: str) -> Iterator[None]:
+    """Trace for `platform` (a deviceless compile for a target): what `traced_platform`
+    answers inside."""
+    token = _TRACED_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _TRACED_FOR.reset(token)
+
+
+def traced_platform() -> str:
+    """The platform the program being traced will be compiled for: a deviceless
+    compile's target (`traced_for`), else JAX's default backend. JAX lowers a host
+    computation for "cpu" on every platform (`jax.lax.platform_dependent` inside one
+    picks the CPU branch in an XLA:GPU program too), so code that differs by platform
+    inside one decides here, when it is traced."""
+    return _TRACED_FOR.get() or jax.default_backend()
 
 
 def host_inline(platform: str) -> bool:

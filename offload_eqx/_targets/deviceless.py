@@ -30,7 +30,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._declare.placement import MEMORIES
-from .._sharding.host_compute import check_host_compute, compiler_options, host_inline
+from .._sharding.host_compute import (
+    check_host_compute,
+    compiler_options,
+    host_inline,
+    traced_for,
+)
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
 from .compile_memo import compile_once
@@ -285,7 +290,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
         return compile_once(lowered, target, xla_options, compiler_log, log)
 
     context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
-    with context:
+    with context, traced_for(target.platform):
         traced = trace_on_target(jax.jit(flat, in_shardings=in_shardings), abstract, target)
         check_host_compute(traced.jaxpr, target.platform, f"target {target.name!r}")
         out_avals = traced.jaxpr.out_avals

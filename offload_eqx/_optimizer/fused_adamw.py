@@ -1,0 +1,329 @@
+"""`optax.adam` / `optax.adamw` on float32 masters in one in-place pass per leaf.
+
+XLA:CPU compiles an update as one loop per result: Adam's `mu`, `nu`, the master and the
+parameter cast from it are four passes over memory, 42 bytes a bfloat16 parameter, with
+a division and a square root per element in two of them. The host kernel `adamw`
+(`offload_eqx/_kernels/adamw.cc`), called once for every leaf, reads the gradient, the
+master and both moments once and writes the moments and the master in place and the
+parameter beside them: 28 bytes, on every thread of XLA's intra-op pool.
+
+It replaces `MasterUpdate.values` where all of these hold, and nothing else:
+- the transformation is `optax.adam` or `optax.adamw` as optax 0.2 builds them (any
+  learning rate or schedule, weight decay a number, its mask a tree or a function, Adam
+  without Nesterov momentum, `mu_dtype` None or float32), recognised from the functions
+  optax chains (`recognise`), alone or last in an `optax.chain` (a global transform
+  before it, `global_transform=`: that part runs as optax computes it, then the
+  kernel); anything else (`optax.MultiSteps`, a chain of your own) runs as XLA
+  compiles it;
+- the masters and both moments are float32, the gradients and parameters bfloat16 or
+  float32;
+- the program is traced for the CPU (`_sharding.host_compute.traced_platform`): the host
+  computation of an XLA:GPU or XLA:TPU program runs optax's update as XLA compiles it
+  (XLA:GPU compiles its host computations with an XLA:CPU inside the CUDA plugin, whose
+  FFI registry does not hold this kernel);
+- the kernel could be built here (`ox.host_kernels()`).
+
+The scalars of the step (the bias corrections `1 - b**t`, the learning rate at this
+count) are computed with the same XLA operations optax uses; the elementwise operations
+are the same float32 operations in the same order, each rounded on its own. XLA fuses
+some multiply-adds into one rounding where this kernel does not, so a moment or a master
+may differ from optax's in its last bit (as optax's results differ between two programs
+that fuse differently); the tests hold the kernel to the definition as they hold XLA.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import numbers
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._kernels.build import target
+from .._sharding.host_compute import traced_platform
+
+_SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_OPTAX_ONLY = contextvars.ContextVar("offload_eqx_optax_only", default=False)
+
+
+@contextlib.contextmanager
+def optax_only() -> Iterator[None]:
+    """Trace updates with optax's own operations, not the kernel: for the checks that
+    read what a transformation computes from what (`checks.check_per_leaf`,
+    `checks.check_elementwise`); the kernel computes the same, element by element."""
+    token = _OPTAX_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _OPTAX_ONLY.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """The hyperparameters of a recognised `optax.adam(w)`: `learning_rate` a number or
+    a schedule of the count; `weight_decay` None without decay; `mask` optax's mask (a
+    tree, a function of the updates, or None: every leaf); `prefix` what an
+    `optax.chain` applies before it (`clip_by_global_norm`)."""
+
+    b1: float
+    b2: float
+    eps: float
+    eps_root: float
+    learning_rate: Any
+    weight_decay: float | None
+    mask: Any
+    prefix: tuple = ()  # update functions of an `optax.chain` before it, run as they are
+
+
+def _cells(fn: Any) -> dict[str, Any]:
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _is(fn: Any, qualname: str, module: str) -> bool:
+    return getattr(fn, "__qualname__", None) == qualname and getattr(
+        fn, "__module__", ""
+    ).startswith(module)
+
+
+def _unwrapped(fn: Any) -> Any:
+    """The update function inside optax's `with_extra_args_support` wrapper."""
+    if _is(fn, "with_extra_args_support.<locals>.update", "optax"):
+        return getattr(_cells(fn).get("tx"), "update", None)
+    return fn
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, numbers.Real | np.floating) and not isinstance(x, bool)
+
+
+def _adam(fn: Any) -> dict | None:
+    cells = _cells(fn)
+    if not _is(fn, "scale_by_adam.<locals>.update_fn", "optax"):
+        return None
+    names = ("b1", "b2", "eps", "eps_root")
+    if not all(_number(cells.get(n)) for n in names) or cells.get("nesterov") is not False:
+        return None
+    mu_dtype = cells.get("mu_dtype")
+    if mu_dtype is not None and jnp.dtype(mu_dtype) != jnp.float32:
+        return None
+    return {n: float(cells[n]) for n in names}
+
+
+def _decay(fn: Any) -> tuple[float, Any] | None:
+    """`(weight decay, mask)` of optax's `add_decayed_weights`, masked or not."""
+    mask = None
+    if _is(fn, "masked.<locals>.update_fn", "optax"):
+        cells = _cells(fn)
+        mask, fn = cells.get("mask"), _unwrapped(getattr(cells.get("inner"), "update", None))
+        if mask is None:
+            return None
+    if not _is(fn, "add_decayed_weights.<locals>.update_fn", "optax"):
+        return None
+    decay = _cells(fn).get("weight_decay")
+    return (float(decay), mask) if _number(decay) else None
+
+
+def _learning_rate(fn: Any) -> Any:
+    """The learning rate of optax's `scale_by_learning_rate`: a number or a schedule."""
+    cells = _cells(fn)
+    if _is(fn, "scale.<locals>.update_fn", "optax") and _number(cells.get("step_size")):
+        return -float(cells["step_size"])
+    if _is(fn, "scale_by_schedule.<locals>.update_fn", "optax"):
+        step = cells.get("step_size_fn")
+        inner = _cells(step)
+        if _is(step, "scale_by_learning_rate.<locals>.<lambda>", "optax") and inner.get("m") == -1:
+            return inner.get("learning_rate")
+    return None
+
+
+def _adam_chain(update: Any) -> AdamW | None:
+    parts = _cells(update).get("update_fns")
+    if not isinstance(parts, tuple) or len(parts) not in (2, 3):
+        return None
+    parts = tuple(_unwrapped(p) for p in parts)
+    adam = _adam(parts[0])
+    learning_rate = _learning_rate(parts[-1])
+    decay = _decay(parts[1]) if len(parts) == 3 else (None, None)
+    if adam is None or learning_rate is None or decay is None:
+        return None
+    if not (_number(learning_rate) or callable(learning_rate)):
+        return None
+    weight_decay, mask = decay
+    if weight_decay == 0.0:  # optax skips a decay of zero altogether
+        weight_decay = None
+    return AdamW(learning_rate=learning_rate, weight_decay=weight_decay, mask=mask, **adam)
+
+
+def recognise(tx: Any) -> AdamW | None:
+    """The hyperparameters of `tx` if it is `optax.adam(...)` or `optax.adamw(...)` as
+    optax builds them, or `optax.chain(..., adamw)` (a global transform before it:
+    `prefix`, run as optax runs it), else None (see the module docstring)."""
+    update = getattr(tx, "update", None)
+    spec = _adam_chain(update)
+    if spec is not None:
+        return spec
+    parts = _cells(update).get("update_fns")
+    if not isinstance(parts, tuple) or len(parts) < 2:
+        return None
+    spec = _adam_chain(parts[-1])
+    if spec is None or any(_adam_chain(p) is not None for p in parts[:-1]):
+        return None
+    return dataclasses.replace(spec, prefix=parts[:-1])
+
+
+def _decayed(spec: AdamW, wide: Any) -> list[bool]:
+    """Whether weight decay applies, leaf by leaf of `wide` (None: a mask that is not
+    made of Python booleans, which the kernel cannot follow)."""
+    if spec.weight_decay is None:
+        return [False] * len(jax.tree_util.tree_leaves(wide))
+    if spec.mask is None:
+        return [True] * len(jax.tree_util.tree_leaves(wide))
+    mask = spec.mask(wide) if callable(spec.mask) else spec.mask
+    flags = jax.tree_util.tree_map(
+        lambda m, sub: jax.tree_util.tree_map(lambda _: m, sub), mask, wide
+    )
+    leaves = jax.tree_util.tree_leaves(flags)
+    if not all(isinstance(f, bool | np.bool_) for f in leaves):
+        return None  # type: ignore[return-value]
+    return [bool(f) for f in leaves]
+
+
+def _states(state: Any) -> tuple[Any, Any] | None:
+    """`(Adam's state, the schedule's state or None)` of an `optax.adam(w)` state."""
+    if not isinstance(state, tuple) or not state:
+        return None
+    adam, last = state[0], state[-1]
+    if not isinstance(adam, optax.ScaleByAdamState):
+        return None
+    return adam, last if isinstance(last, optax.ScaleByScheduleState) else None
+
+
+def _scalars(spec: AdamW, adam: Any, schedule: Any) -> jax.Array:
+    """The kernel's scalars, computed as optax computes them (`tree_bias_correction`,
+    `scale_by_learning_rate`)."""
+    count = optax.safe_increment(adam.count)
+    c1 = (1 - spec.b1**count).astype(jnp.float32)
+    c2 = (1 - spec.b2**count).astype(jnp.float32)
+    if schedule is None:
+        step = jnp.asarray(-1 * spec.learning_rate, jnp.float32)
+    else:
+        step = jnp.asarray(-1 * spec.learning_rate(schedule.count), jnp.float32)
+    wd = 0.0 if spec.weight_decay is None else spec.weight_decay
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    b1, b2 = spec.b1, spec.b2
+    return jnp.stack(
+        [f32(1 - b1), f32(b1), f32(1 - b2), f32(b2), c1, c2]
+        + [f32(spec.eps_root), f32(spec.eps), f32(wd), step]
+    )
+
+
+def _call(name: str, leaves: list[list], s: jax.Array, decayed: list[bool]) -> list[tuple]:
+    """One kernel call for every leaf: `(new master, mu, nu, parameter)` per leaf."""
+    grads, masters, mus, nus, likes = leaves
+    operands, results, aliases = [s], [], {}
+    for i, (g, m, mu, nu, like) in enumerate(zip(grads, masters, mus, nus, likes)):
+        operands += [g, m, mu, nu]
+        results += [jax.ShapeDtypeStruct(m.shape, jnp.float32)] * 3
+        results.append(jax.ShapeDtypeStruct(m.shape, like.dtype))
+        aliases.update({1 + 4 * i + k: 4 * i + k - 1 for k in (1, 2, 3)})
+    call = jax.ffi.ffi_call(name, results, input_output_aliases=aliases)
+    outs = call(*operands, decay=np.asarray(decayed, np.int8))
+    return [tuple(outs[4 * i : 4 * i + 4]) for i in range(len(grads))]
+
+
+def _supported(grads: list, masters: list, mus: list, nus: list, likes: list) -> bool:
+    return (
+        all(jnp.dtype(g.dtype) in _SUPPORTED for g in grads)
+        and all(jnp.dtype(p.dtype) in _SUPPORTED for p in likes)
+        and all(x.dtype == jnp.float32 for x in masters + mus + nus)
+        and all(g.shape == m.shape == p.shape for g, m, p in zip(grads, masters, likes))
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _by_master(master: Any, trees: tuple) -> tuple[Any, list[int], list[list]] | None:
+    """`(the masters' structure, None leaves included; the positions of the masters;
+    each tree's leaves at those positions)`, None where a tree has another structure."""
+    structure = jax.tree_util.tree_structure(master, is_leaf=_is_none)
+    leaves = jax.tree_util.tree_leaves(master, is_leaf=_is_none)
+    kept = [i for i, x in enumerate(leaves) if x is not None]
+    try:
+        flat = [structure.flatten_up_to(t) for t in trees]
+    except (ValueError, TypeError):
+        return None
+    if any(flat_tree[i] is None for flat_tree in flat for i in kept):
+        return None
+    return structure, kept, [[flat_tree[i] for i in kept] for flat_tree in flat]
+
+
+def fused_values(
+    tx: Any,
+    grads: Any,
+    master: Any,
+    inner: Any,
+    like: Any,
+    extra_args: dict,
+    otherwise: Callable[[], Any],
+) -> Any:
+    """`(new parameter values, new masters, new inner state)` of `tx` applied to the
+    masters, by the host kernel where it applies (the module docstring), else
+    `otherwise()` (which computes the same with optax)."""
+    spec = recognise(tx)
+    if spec is None or _OPTAX_ONLY.get() or traced_platform() != "cpu":
+        return otherwise()
+    adam_inner = inner[-1] if spec.prefix else inner
+    states = _states(adam_inner)
+    if states is None or (spec.prefix and len(inner) != len(spec.prefix) + 1):
+        return otherwise()
+    adam, schedule = states
+    found = _by_master(master, (grads, master, adam.mu, adam.nu, like))
+    if found is None or not _supported(*found[2]):
+        return otherwise()
+    wide = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    decayed = _decayed(spec, wide)
+    name = target("adamw")
+    if name is None or decayed is None or len(decayed) != len(found[1]):
+        return otherwise()
+    prefix_states = []
+    if spec.prefix:  # the global transform, as optax computes it, on the widened gradients
+        for update, state in zip(spec.prefix, inner[:-1]):
+            wide, state = update(wide, state, master, **extra_args)
+            prefix_states.append(state)
+        found = _by_master(master, (wide, master, adam.mu, adam.nu, like))
+        if found is None or not _supported(*found[2]):
+            return otherwise()
+    structure, kept, leaves = found
+    s = _scalars(spec, adam, schedule)
+    outs = _call(name, leaves, s, decayed) if leaves[0] else []
+    values, new_master, new_adam = _assemble(structure, kept, adam_inner, adam, schedule, outs)
+    return values, new_master, (*prefix_states, new_adam) if spec.prefix else new_adam
+
+
+def _assemble(structure: Any, kept: list[int], inner: Any, adam: Any, schedule: Any, outs: list):
+    """The kernel's results as `otherwise` returns them, in the masters' structure."""
+
+    def tree(i):
+        leaves: list = [None] * structure.num_leaves
+        for position, out in zip(kept, outs):
+            leaves[position] = out[i]
+        return jax.tree_util.tree_unflatten(structure, leaves)
+
+    new_master, mu, nu, values = (tree(i) for i in range(4))
+    new_adam = adam._replace(count=optax.safe_increment(adam.count), mu=mu, nu=nu)
+    new_inner = [new_adam, *inner[1:]]
+    if schedule is not None:
+        new_inner[-1] = schedule._replace(count=optax.safe_increment(schedule.count))
+    return values, new_master, tuple(new_inner)

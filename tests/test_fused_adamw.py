@@ -1,0 +1,212 @@
+"""The host kernel for `optax.adam(w)` on float32 masters (`_optimizer/fused_adamw.py`,
+`_kernels/adamw.cc`): which transformations it takes, that it is what the CPU runs (one
+custom call per leaf, state written in place), that it equals the plain JAX + optax
+definition, and that everything else (other transformations, bfloat16 moments, another
+platform, no compiler) runs as XLA compiles it and equals the definition too."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import masters_reference, to_bf16
+
+import offload_eqx as ox
+from offload_eqx._inspect.memory_report import compiled_report
+from offload_eqx._kernels.build import host_kernels
+from offload_eqx._optimizer import fused_adamw
+from offload_eqx._optimizer.fused_adamw import recognise
+from offload_eqx._targets.deviceless import program_of_step
+from offload_eqx._targets.targets import get_target
+
+LR = 1e-4
+STEPS = 4
+KERNEL = "offload_eqx_adamw"
+
+
+def _model32():
+    return eqx.nn.MLP(8, 8, 16, depth=2, key=jax.random.key(0))
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (4, 8)).astype(jnp.bfloat16)
+
+
+def _loss(model, x):
+    return jnp.mean(jax.vmap(model)(x).astype(jnp.float32) ** 2)
+
+
+def _is_matrix(tree):
+    return jax.tree_util.tree_map(lambda x: x.ndim > 1, tree)
+
+
+def _train(tx, delay=0, steps=STEPS):
+    opt = ox.offload_optimizer(tx, update_on="host", master_dtype=jnp.float32, delay=delay)
+    model = to_bf16(_model32())
+    params, static = eqx.partition(model, eqx.is_array)
+    state = opt.init(params)
+
+    @ox.filter_jit(donate="all-except-first")
+    def step(x, params, state):
+        grads = jax.grad(lambda p: _loss(eqx.combine(p, static), x))(params)
+        return ox.update_and_apply(opt, grads, state, params)
+
+    for _ in range(steps):
+        params, state = step(_x(), params, state)
+    if delay:
+        params, state = ox.filter_jit(lambda p, s: ox.apply_pending(opt, s, p))(params, state)
+    return params, state, step
+
+
+def _assert_equals_definition(tx, delay=0):
+    params, _, _ = _train(tx, delay)
+    start = jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if eqx.is_inexact_array(x) else x, to_bf16(_model32())
+    )
+    want = masters_reference(
+        start, _loss, _x(), tx, STEPS, bool(delay), grad=eqx.filter_grad(_loss)
+    )
+    ours = jax.tree_util.tree_leaves(params)
+    for param, master in zip(ours, jax.tree_util.tree_leaves(want)):
+        assert param.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(param), np.asarray(master.astype(jnp.bfloat16)))
+
+
+def _compiled_text(step, *args) -> str:
+    return step.lower(*args).compile().as_text()
+
+
+TRANSFORMATIONS = {
+    "adamw": lambda: optax.adamw(LR),
+    "adamw_mask_schedule": lambda: optax.adamw(
+        optax.cosine_decay_schedule(LR, 10), weight_decay=0.1, mask=_is_matrix
+    ),
+    "adam": lambda: optax.adam(LR, b1=0.8, eps=1e-6),
+    "clipped_adamw": lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(LR)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+def test_adam_and_adamw_are_recognised_with_their_hyperparameters(name):
+    spec = recognise(TRANSFORMATIONS[name]())
+    assert spec is not None
+    if name == "adam":
+        assert (spec.b1, spec.eps, spec.weight_decay, spec.learning_rate) == (0.8, 1e-6, None, LR)
+    if name == "adamw_mask_schedule":
+        assert spec.weight_decay == 0.1 and spec.mask is _is_matrix
+        assert callable(spec.learning_rate)
+    assert len(spec.prefix) == (1 if name == "clipped_adamw" else 0)
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.sgd(LR),
+        optax.chain(optax.adamw(LR), optax.clip_by_global_norm(1.0)),
+        optax.adamw(LR, nesterov=True),
+        optax.adam(LR, mu_dtype=jnp.bfloat16),
+        optax.adam(LR, b1=jnp.float32(0.9)),  # an array: not read at trace time
+        optax.adamw(LR, weight_decay=optax.constant_schedule(0.1)),
+        optax.MultiSteps(optax.adamw(LR), every_k_schedule=2),
+    ],
+    ids=["sgd", "clipped_after", "nesterov", "bf16_mu", "array_b1", "decay_schedule", "multisteps"],
+)
+def test_anything_else_is_not_recognised(tx):
+    assert recognise(tx) is None
+
+
+def test_the_kernel_is_built_on_this_machine():
+    """CI machines have a C++ compiler: the kernel must load there, or the benchmark's
+    numbers would not be what a user gets."""
+    assert host_kernels()["adamw"].startswith("loaded from"), host_kernels()
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_kernel_equals_the_definition(name, delay):
+    """The bfloat16 parameters bit for bit equal to plain JAX + optax on float32
+    masters, at a learning rate whose steps are below bfloat16's resolution (so that
+    only the masters carry them)."""
+    _assert_equals_definition(TRANSFORMATIONS[name](), delay)
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_cpu_runs_one_kernel_call_for_every_leaf_in_place(delay):
+    params, state, step = _train(TRANSFORMATIONS["adamw_mask_schedule"](), delay, steps=1)
+    text = _compiled_text(step, _x(), params, state)
+    leaves = len(jax.tree_util.tree_leaves(params))
+    (call,) = [line for line in text.splitlines() if f'custom_call_target="{KERNEL}"' in line]
+    operands = re.search(r"custom-call\(([^)]*)\)", call)
+    assert operands is not None and len(operands.group(1).split(",")) == 1 + 4 * leaves
+    report = ox.memory_report(step, _x(), params, state, target="cpu")
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+    assert report.device["alias"] >= state_bytes
+
+
+def test_bfloat16_moments_and_other_transformations_run_as_xla_compiles_them():
+    for tx in (optax.adam(LR, mu_dtype=jnp.bfloat16), optax.lion(LR)):
+        params, state, step = _train(tx, steps=1)
+        assert KERNEL not in _compiled_text(step, _x(), params, state)
+
+
+def test_without_the_kernel_the_update_runs_as_xla_compiles_it(monkeypatch):
+    monkeypatch.setattr(fused_adamw, "target", lambda name: None)
+    tx = TRANSFORMATIONS["adamw_mask_schedule"]()
+    params, state, step = _train(tx, steps=1)
+    assert KERNEL not in _compiled_text(step, _x(), params, state)
+    _assert_equals_definition(tx)
+
+
+@pytest.mark.deviceless
+def test_an_h100_program_runs_optax_in_its_host_computation():
+    """XLA:GPU compiles its host computations with the CUDA plugin's own XLA:CPU, which
+    does not hold the kernel (it would abort the process): the h100 compile has none."""
+    params, state, step = _train(optax.adamw(LR), steps=0)
+    args = (_x(), params, state)
+    _, compiled = compiled_report(program_of_step(step, args, {}), get_target("h100"), "step")
+    assert "ox_host" in compiled.as_text() and KERNEL not in compiled.as_text()
+    assert KERNEL in _compiled_text(step, *args)  # the CPU program's
+
+
+def test_a_nan_gradient_gives_a_nan_parameter_as_optax_does():
+    opt = ox.offload_optimizer(optax.adamw(LR), update_on="host", master_dtype=jnp.float32)
+    params = {"w": jnp.ones((4, 4), jnp.bfloat16), "empty": jnp.ones((0, 3), jnp.bfloat16)}
+    state = opt.init(params)
+    grads = {"w": jnp.full((4, 4), jnp.nan, jnp.bfloat16), "empty": jnp.ones((0, 3), jnp.bfloat16)}
+    step = ox.filter_jit(lambda g, p, s: ox.update_and_apply(opt, g, s, p))
+    new, _ = step(grads, params, state)
+    assert bool(jnp.all(jnp.isnan(new["w"]))) and new["empty"].shape == (0, 3)
+
+
+def test_without_a_compiler_the_update_falls_back_and_says_why(tmp_path):
+    """A fresh cache and no compiler: `ox.host_kernels()` says why, the step still trains."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, optax
+        import offload_eqx as ox
+        from offload_eqx._kernels.build import host_kernels
+        opt = ox.offload_optimizer(optax.adamw(0.1), update_on="host", master_dtype=jnp.float32)
+        p = {"w": jnp.ones((8, 8), jnp.bfloat16)}
+        s = opt.init(p)
+        step = ox.filter_jit(lambda g, p, s: ox.update_and_apply(opt, g, s, p))
+        new, _ = step(p, p, s)
+        print(host_kernels()["adamw"])
+        print(float(new["w"][0, 0]))
+        """
+    )
+    env = {**os.environ, "OFFLOAD_EQX_CACHE": str(tmp_path), "CXX": "no-such-compiler"}
+    env["PATH"] = "/nonexistent"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    why, value = done.stdout.strip().splitlines()[-2:]
+    assert why.startswith("unavailable: no C++ compiler"), why
+    assert float(value) < 1.0
