@@ -109,12 +109,7 @@ def _in_a_process(args: Any, case: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--case", case]
     command += ["--rounds", str(args.rounds), "--threads", args.threads]
     command += ["--no-estimate"] if args.no_estimate else []
-    # OpenMP's threads (the fused C loop's, DeepSpeed's) spin for a while after each
-    # loop by default, holding a core the candidate timed next needs; passive, they
-    # sleep between loops as XLA's pool threads do, and each candidate runs as it would
-    # alone.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"case {case} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -174,13 +169,18 @@ def _report(rows: list[dict], args: Any) -> None:
 
 
 def time_rounds(candidates: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Each candidate's median seconds over `rounds`, interleaved, the order rotated."""
+    """Each candidate's median seconds over `rounds`, interleaved, the order rotated; in
+    each round a candidate's second of two calls in a row."""
     names = list(candidates)
     for name in names:  # compile and touch every buffer once
         candidates[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            # One call untimed first: it wakes the candidate's threads and waits out the
+            # last candidate's (OpenMP's spin a while after each loop, holding a core),
+            # so the timed call is the candidate in its steady state, as in training.
+            candidates[name]()
             start = time.perf_counter()
             candidates[name]()
             samples[name].append(time.perf_counter() - start)

@@ -210,3 +210,23 @@ def test_without_a_compiler_the_update_falls_back_and_says_why(tmp_path):
     why, value = done.stdout.strip().splitlines()[-2:]
     assert why.startswith("unavailable: no C++ compiler"), why
     assert float(value) < 1.0
+
+
+def test_the_cpu_estimate_prices_the_kernel_by_its_bytes_at_the_hosts_update_bandwidth():
+    """28 bytes a parameter (its operands and results) at the host's bandwidth for an
+    update in place, in the compiled schedule and in the jaxpr count alike."""
+    from offload_eqx._targets.calibrate import cpu_speeds
+
+    opt = ox.offload_optimizer(optax.adamw(LR), update_on="host", master_dtype=jnp.float32)
+    params = {"w": jnp.ones((512, 1024), jnp.bfloat16)}
+    state = opt.init(params)
+    step = ox.filter_jit(
+        lambda g, p, s: ox.update_and_apply(opt, g, s, p), donate="all-except-first"
+    )
+    estimate = ox.estimate(step, params, params, state, target="cpu")
+    assert not estimate.unpriced
+    speeds = cpu_speeds()
+    kernel = 28 * 512 * 1024 / speeds.host_bandwidth
+    assert kernel <= estimate.seconds <= kernel + 20 * speeds.kernel_launch + 1e-4
+    assert estimate.traced_seconds is not None
+    assert estimate.traced_seconds == pytest.approx(kernel, rel=0.2)

@@ -77,6 +77,9 @@ class KernelCost:
     - `efficiency`: the fraction of the chip's peak its FLOPs run at; None: the target's.
     - `priced`: False when no rule prices its work: its bytes alone (named in the notes).
     - `note`: what its price leaves out, where something does.
+    - `host`: one of offload_eqx's host kernels (`HOST_KERNELS`): its bytes move at the
+      bandwidth of a host computation (`host_work.host_computation_bandwidth`: on the
+      CPU target, an update in place), not the device's.
     """
 
     kind: str
@@ -85,6 +88,7 @@ class KernelCost:
     efficiency: float | None = None
     priced: bool = True
     note: str = ""
+    host: bool = False  # a host kernel of ours updating state in place (`HOST_KERNELS`)
 
 
 Key = tuple[str, tuple[tuple[int, ...], ...]]
@@ -271,7 +275,7 @@ def eqn_cost(eqn: Any, value_of: Callable[[Any], Any]) -> KernelCost | None:
     if prim == "ffi_call" and eqn.params.get("target_name") in HOST_KERNELS:
         # One pass: it reads its operands and writes its results (aliased to the state
         # it reads), as the host's other loops are priced, by their bytes.
-        return KernelCost(HOST_KERNELS[eqn.params["target_name"]])
+        return KernelCost(HOST_KERNELS[eqn.params["target_name"]], host=True)
     if prim in _OPAQUE or prim.startswith(("dot_product_attention", "triton")):
         target = eqn.params.get("target_name") or eqn.params.get("name") or prim
         return unpriced(f"`{prim}` kernel `{target}`", "no rule prices it")
@@ -361,6 +365,8 @@ def custom_call_cost(
     traced program says of it (`table`: Pallas kernels by name and operand shapes), by the
     cost estimate its backend config carries, or unpriced."""
     target = instruction.attribute("custom_call_target") or ""
+    if target in HOST_KERNELS:  # its operands and results, at the host's bandwidth
+        return KernelCost(HOST_KERNELS[target], host=True)
     operands = [_operand(module, computation, o) for o in instruction.operands]
     if target.startswith("__cudnn$fmha") and "F8" not in target:
         return cudnn_attention_call(operands, instruction.attributes, target)

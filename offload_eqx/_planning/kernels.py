@@ -51,6 +51,7 @@ class Work:
     efficiency: float | None = None  # the fraction of peak its FLOPs run at (None: the target's)
     unpriced: str = ""  # what the kernel is, when no rule prices its FLOPs (its bytes alone)
     caveat: str = ""  # what a priced kernel's price leaves out (a mask not read)
+    host: bool = False  # a host kernel of ours: its device bytes at the host's bandwidth
 
 
 def group_size(instruction: Instruction) -> int:
@@ -402,6 +403,7 @@ def custom_call_work(
         efficiency=cost.efficiency,
         unpriced="" if cost.priced else f"{cost.kind} ({cost.note})",
         caveat=f"{cost.kind}: {cost.note}" if cost.priced and cost.note else "",
+        host=cost.host,
     )
 
 

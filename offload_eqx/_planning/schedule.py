@@ -85,9 +85,12 @@ class _Simulator:
     def kernel_seconds(self, work: Work) -> float:
         s = self.speeds
         strided = work.transposes and s.transpose_bandwidth
+        bandwidth = s.transpose_bandwidth if strided else s.memory_bandwidth
+        if work.host:  # our AdamW kernel, inlined where the host is the device (XLA:CPU)
+            bandwidth = host_computation_bandwidth(s)
         return s.kernel_launch + max(
             work.flops / (s.flops * (work.efficiency or s.efficiency)),
-            work.device_bytes / (s.transpose_bandwidth if strided else s.memory_bandwidth),
+            work.device_bytes / bandwidth,
             work.host_read / s.h2d_bandwidth,
             work.host_write / s.d2h_bandwidth,
         )

@@ -13,8 +13,10 @@ several runs (the least disturbed by other work on the machine):
 - `h2d_bandwidth`, `d2h_bandwidth`: a `jax.device_put` of `LINK` float32 values between
   the CPU's device and `pinned_host` memory spaces inside a jitted program (a copy
   within this machine's RAM);
-- host compute runs on the same cores: `host_flops`, `host_bandwidth` are the same
-  figures; `host_memory` is the machine's physical memory;
+- host compute runs on the same cores: `host_flops` is the same figure;
+  `host_bandwidth` an update in place, `x = x + s y` over a donated `x` (12 bytes an
+  element), what the optimizer update on the host streams; `host_memory` is the
+  machine's physical memory;
 - `kernel_launch`: a chain of `LAUNCHES` dependent 8 x 8 matmuls, each its own kernel of
   negligible work: the time XLA:CPU spends per instruction beyond its work;
 - `first_touch_bandwidth`: a jitted fill of `FRESH` float32 values, larger than the C
@@ -75,6 +77,7 @@ def cpu_speeds() -> Speeds:
     flops = 2 * MATMUL**3 / _best_seconds(lambda: matmul(a))
 
     memory_bandwidth = _triad_bandwidth(cpu)
+    host_bandwidth = _update_bandwidth(cpu)
     x = jax.device_put(jnp.ones((LINK,), jnp.float32), cpu)
 
     down = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
@@ -82,7 +85,7 @@ def cpu_speeds() -> Speeds:
     up = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))
     d2h = 4 * LINK / _best_seconds(lambda: down(x))
     h2d = 4 * LINK / _best_seconds(lambda: up(on_host))
-    return _with_overheads(flops, memory_bandwidth, h2d, d2h, cpu)
+    return _with_overheads(flops, memory_bandwidth, host_bandwidth, h2d, d2h, cpu)
 
 
 def _triad_bandwidth(cpu: Any) -> float:
@@ -93,6 +96,23 @@ def _triad_bandwidth(cpu: Any) -> float:
 
     def run() -> jax.Array:
         cell[0] = triad(cell[0], b, c)
+        return cell[0]
+
+    return 3 * 4 * STREAM / _best_seconds(run)
+
+
+def _update_bandwidth(cpu: Any) -> float:
+    """An update in place, `x = x + s y` over a donated `x`: 12 bytes an element, what a
+    host computation that updates optimizer state streams (XLA's loops and the fused
+    AdamW kernel both read the state and write it back where it was). On this VM it
+    runs at 1.4 times the triad's counted bytes (a triad's result is written to lines
+    it must first read, which STREAM does not count)."""
+    x, y = (jax.device_put(jnp.full((STREAM,), v, jnp.float32), cpu) for v in (1.0, 2.0))
+    update = jax.jit(lambda x, y: x + 1.5 * y, donate_argnums=0)
+    cell = [x]
+
+    def run() -> jax.Array:
+        cell[0] = update(cell[0], y)
         return cell[0]
 
     return 3 * 4 * STREAM / _best_seconds(run)
@@ -123,7 +143,7 @@ def _transpose_bandwidth(cpu: Any) -> float:
 
 
 def _with_overheads(
-    flops: float, memory_bandwidth: float, h2d: float, d2h: float, cpu: Any
+    flops: float, memory_bandwidth: float, host_bandwidth: float, h2d: float, d2h: float, cpu: Any
 ) -> Speeds:
     return Speeds(
         flops=flops,
@@ -132,7 +152,7 @@ def _with_overheads(
         h2d_bandwidth=h2d,
         d2h_bandwidth=d2h,
         host_flops=flops,
-        host_bandwidth=memory_bandwidth,
+        host_bandwidth=host_bandwidth,
         host_memory=_physical_memory(),
         source=f"measured on this machine's CPU ({os.cpu_count()} cores), float32",
         kernel_launch=_launch_seconds(cpu),
@@ -145,13 +165,13 @@ HOST_STREAM = 32 * 2**20  # float32 values per array of the one-thread measureme
 
 
 def _one_thread_bandwidth() -> float:
-    """NumPy's `add(b, c, out=a)` (one thread, 12 bytes an element, no new page)."""
-    a, b, c = (np.full(HOST_STREAM, v, np.float32) for v in (0.0, 1.0, 2.0))
-    np.add(b, c, out=a)
+    """NumPy's `add(a, b, out=a)`: one thread updating in place, 12 bytes an element."""
+    a, b = (np.full(HOST_STREAM, v, np.float32) for v in (0.0, 1.0))
+    np.add(a, b, out=a)
     best = float("inf")
     for _ in range(_REPEATS // 2):
         start = time.perf_counter()
-        np.add(b, c, out=a)
+        np.add(a, b, out=a)
         best = min(best, time.perf_counter() - start)
     return 3 * 4 * HOST_STREAM / best
 
@@ -164,9 +184,10 @@ def calibrate_host(target: "str | Target") -> Target:
     A host computation (the optimizer update on the host) streams at the bandwidth of
     the threads XLA gives it (its intra-op pool: the machine's cores), at most the
     memory's; a datasheet says neither for the host a GPU is actually in. This measures
-    both in about a second: `host_thread_bandwidth`, one thread's (NumPy's `add` over
-    128 MiB arrays, 12 bytes an element), and `host_bandwidth`, every core's
-    (XLA:CPU's triad, as `ox.estimate(..., target="cpu")` measures it), with
+    both in about a second, updating arrays in place as the optimizer update does:
+    `host_thread_bandwidth`, one thread's (NumPy's `add(a, b, out=a)` over 128 MiB
+    arrays, 12 bytes an element), and `host_bandwidth`, every core's (XLA:CPU's
+    `x + s y` over a donated `x`, as `ox.estimate(..., target="cpu")` measures it), with
     `host_threads` the cores this process may use, and returns a `Target` named
     `"<name>+host"` with those figures in its `Speeds` (its source says so). Nothing is
     registered. On a machine whose GPUs all update at once, divide `host_bandwidth` by
@@ -179,7 +200,7 @@ def calibrate_host(target: "str | Target") -> Target:
             "target such as 'h100'."
         )
     one = _one_thread_bandwidth()
-    every = max(cpu_speeds().memory_bandwidth, one)
+    every = max(cpu_speeds().host_bandwidth, one)
     speeds = dataclasses.replace(
         base.speeds,
         host_bandwidth=every,
