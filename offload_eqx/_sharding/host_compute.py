@@ -105,6 +105,12 @@ def traced_for(platform: str) -> Iterator[None]:
         _TRACED_FOR.reset(token)
 
 
+def deviceless_platform() -> str | None:
+    """The platform a deviceless compile is tracing and lowering for (`traced_for`),
+    None outside one."""
+    return _TRACED_FOR.get()
+
+
 def traced_platform() -> str:
     """The platform the program being traced will be compiled for: a deviceless
     compile's target (`traced_for`), else JAX's default backend. JAX lowers a host

@@ -38,6 +38,7 @@ from .._sharding.host_compute import (
 )
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
+from .callbacks import lower_callbacks_as_zeros_in_deviceless_gpu_compiles
 from .compile_memo import compile_once
 from .devices import mesh_on_target, target_mesh, trace_on_target, uses_abstract_mesh
 from .targets import Target
@@ -255,7 +256,9 @@ def compiler_log(lines: list[str]) -> Iterator[None]:
 def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     """Compile `program` with `target`'s compiler (no device needed for GPU/TPU), once per
     process for each distinct program (`compile_memo`); XLA's log lines go into `log`
-    (`compiler_log`)."""
+    (`compiler_log`). Host callbacks are compiled out of a GPU target's program
+    (`callbacks`): this process has no GPU to register them with."""
+    lower_callbacks_as_zeros_in_deviceless_gpu_compiles()
     on_mesh = program.mesh is not None
     if program.mesh is not None:
         mesh = mesh_on_target(target, program.mesh)
