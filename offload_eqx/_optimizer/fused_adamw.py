@@ -129,7 +129,7 @@ def _decay(fn: Any) -> tuple[float, Any] | None:
             return None
     if not _is(fn, "add_decayed_weights.<locals>.update_fn", "optax"):
         return None
-    decay = _cells(fn).get("weight_decay")
+    decay: Any = _cells(fn).get("weight_decay")
     return (float(decay), mask) if _number(decay) else None
 
 
@@ -211,7 +211,7 @@ def _states(state: Any) -> tuple[Any, Any] | None:
 def _scalars(spec: AdamW, adam: Any, schedule: Any) -> jax.Array:
     """The kernel's scalars, computed as optax computes them (`tree_bias_correction`,
     `scale_by_learning_rate`)."""
-    count = optax.safe_increment(adam.count)
+    count: Any = optax.safe_increment(adam.count)
     c1 = (1 - spec.b1**count).astype(jnp.float32)
     c2 = (1 - spec.b2**count).astype(jnp.float32)
     if schedule is None:
