@@ -60,7 +60,10 @@ def test_full_and_unbudgeted_runs_are_not_held_to_it(project, options):
 
 # Left out of the default session's runtime type checks (pyproject.toml's addopts), for
 # time: the step-time model's inner loops. `nox -s tests -- --full` checks them too.
-UNCHECKED = {f"offload_eqx._planning.{m}" for m in ("flops", "fused", "hlo", "kernels", "schedule")}
+UNCHECKED = {
+    f"offload_eqx._planning.{m}"
+    for m in ("flops", "fused", "hlo", "kernels", "prices", "schedule")
+}
 
 
 def test_every_module_is_type_checked_at_run_time_but_the_step_time_models_loops():

@@ -46,12 +46,12 @@ from .kernels import (
     COLLECTIVES,
     Work,
     fusion_work,
-    group_size,
     inner_flops,
     instruction_work,
     is_free,
     piece_work,
 )
+from .prices import collective_seconds, kernel_seconds
 
 # Iterations of one loop simulated event by event; the rest repeat the last one's time.
 EXPLICIT_TRIPS = 64
@@ -82,19 +82,6 @@ class _Simulator:
 
     # -- pricing ------------------------------------------------------------------------
 
-    def kernel_seconds(self, work: Work) -> float:
-        s = self.speeds
-        strided = work.transposes and s.transpose_bandwidth
-        bandwidth = s.transpose_bandwidth if strided else s.memory_bandwidth
-        if work.host:  # our AdamW kernel, inlined where the host is the device (XLA:CPU)
-            bandwidth = host_computation_bandwidth(s)
-        return s.kernel_launch + max(
-            work.flops / (s.flops * (work.efficiency or s.efficiency)),
-            work.device_bytes / bandwidth,
-            work.host_read / s.h2d_bandwidth,
-            work.host_write / s.d2h_bandwidth,
-        )
-
     def host_seconds(self, name: str) -> float:
         """A host computation: the bytes it moves as XLA:CPU compiles it (`host_work`)
         at the bandwidth one host computation gets, or its dots at the host's FLOP rate,
@@ -122,26 +109,12 @@ class _Simulator:
     def collective_seconds(
         self, opcode: str, instruction: Instruction, computation: Computation
     ) -> float:
-        n = group_size(instruction)
-        if opcode == "collective-permute":
-            n = 2
-        out = float(nbytes(instruction.type))
-        operand = float(
-            sum(nbytes(self.module.operand_type(computation, o)) for o in instruction.operands)
-        )
-        size = max(out, operand)
-        if n <= 1:
-            return 0.0
-        bandwidth = self.speeds.interconnect_bandwidth
-        if not bandwidth:
+        seconds = collective_seconds(self.speeds, self.module, opcode, instruction, computation)
+        if seconds is None:
             self.note(
                 "collectives are not priced: the target's Speeds has no interconnect_bandwidth"
             )
-            return 0.0
-        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(
-            opcode, (n - 1) / n
-        )
-        return self.speeds.kernel_launch + factor * size / bandwidth
+        return seconds or 0.0
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -240,7 +213,7 @@ class _Simulator:
         key = ("kernel", id(instruction))
         if key not in self.cost:
             work = instruction_work(self.module, computation, instruction, self.table)
-            self.cost[key] = (work, self.kernel_seconds(work))
+            self.cost[key] = (work, kernel_seconds(self.speeds, work))
             self.check_priced(instruction, work)
         work, seconds = self.cost[key]
         phase = self.phase(instruction)
@@ -399,7 +372,7 @@ class _Simulator:
             return "h2d", s.kernel_launch + work.host_read / s.h2d_bandwidth, work
         if work.host_write:
             return "d2h", s.kernel_launch + work.host_write / s.d2h_bandwidth, work
-        return "compute", self.kernel_seconds(work), work
+        return "compute", kernel_seconds(self.speeds, work), work
 
     def start(self, computation: Computation, instruction: Instruction) -> None:
         key = ("start", id(instruction))
