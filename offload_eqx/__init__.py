@@ -79,7 +79,8 @@ from ._optimizer.optimizer import (
     offload_optimizer as offload_optimizer,
     update_and_apply as update_and_apply,
 )
-from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
+from ._plan.of_trees import plan as plan
+from ._plan.plan import LeafPlan as LeafPlan, Plan as Plan
 from ._planning.estimate import StepEstimate as StepEstimate, estimate as estimate
 from ._planning.events import Event as Event, Simulation as Simulation
 from ._planning.max_batch import max_batch as max_batch

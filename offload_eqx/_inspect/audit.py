@@ -40,13 +40,13 @@ from .._jit.jit import step_of
 from .._plan.plan import Plan
 from .jaxpr_walk import (
     _dce,
-    _is_var,
     _nbytes,
     _Origin,
     _Walker,
     host_compute as host_compute,
 )
 from .transfer_report import Transfer as Transfer, TransferReport as TransferReport
+from .walk_checks import is_var
 
 # -- the entry point -------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Tra
     out_paths = entry.output_paths()
     outputs: dict[Any, tuple[str, str]] = {}
     for var, path, leaf in zip(jaxpr.outvars, out_paths, matched):
-        if _is_var(var):
+        if is_var(var):
             outputs[var] = (
                 (_ROLE_KIND.get(leaf.role, "input"), leaf.path)
                 if leaf is not None

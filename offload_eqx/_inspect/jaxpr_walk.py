@@ -48,6 +48,7 @@ from .._sharding.host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_comp
 from .._sharding.memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
 from .destinations import destinations
 from .transfer_report import HostComputation, Transfer
+from .walk_checks import host_arithmetic_breaches, is_var, residual_breaches
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
 
@@ -77,10 +78,6 @@ def _is_device(aval) -> bool:
 
 def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-
-
-def _is_var(v) -> bool:
-    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
 
 
 def _is_drop(v) -> bool:
@@ -114,6 +111,10 @@ class _Walker:
         # `_transposed_fetch`): id -> paths, in program order.
         self._fetched: dict[int, list[str]] = {}
 
+    def _breaches(self, found: list[tuple[str, str, str]]) -> None:
+        for rule, path, message in found:
+            self.violate(rule, path, message)
+
     def violate(self, rule: str, path: str, message: str) -> None:
         if (rule, path) not in self._seen_violations:
             self._seen_violations.add((rule, path))
@@ -133,7 +134,7 @@ class _Walker:
         """Walk `jaxpr`; `outputs`: what each of its outputs is, (kind, what) or None (the
         top level: the step's outputs)."""
         if top:
-            outputs = [self.outputs.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+            outputs = [self.outputs.get(v) if is_var(v) else None for v in jaxpr.outvars]
         dests = destinations(jaxpr, outputs or [None] * len(jaxpr.outvars))
         seen_backward = False
         fetches: list[tuple[int, str]] = []  # host leaves fetched in this body: (traceback, path)
@@ -145,7 +146,7 @@ class _Walker:
             eqn_host_ok = host_ok or HOST_COMPUTE_SCOPE in stack
             prim = eqn.primitive.name
             if eqn_phase == "backward":
-                self._check_residuals(eqn, env)
+                self._breaches(residual_breaches(eqn, env))
             if prim == "device_put":
                 self._device_put(eqn, env, count, eqn_phase, where, fetches, dests, stack)
             elif prim == "name":
@@ -158,10 +159,10 @@ class _Walker:
                 if (
                     arithmetic
                     and not eqn_host_ok
-                    and any(_is_var(v) and _is_host(v.aval) for v in eqn.invars)
+                    and any(is_var(v) and _is_host(v.aval) for v in eqn.invars)
                 ):
-                    self._host_arithmetic(eqn, env, where)
-                var = next((v for v in eqn.invars if _is_var(v) and v in env), None)
+                    self._breaches(host_arithmetic_breaches(eqn, env, where))
+                var = next((v for v in eqn.invars if is_var(v) and v in env), None)
                 if var is not None:
                     source = env[var]
                     for out in eqn.outvars:
@@ -188,12 +189,12 @@ class _Walker:
                 # host memory, where the plan keeps that leaf's gradient.
                 self._gradient_sum(eqn, env, count, eqn_phase, where)
             elif not eqn_host_ok:
-                if any(_is_var(v) and _is_host(v.aval) for v in eqn.invars):
-                    self._host_arithmetic(eqn, env, where)
+                if any(is_var(v) and _is_host(v.aval) for v in eqn.invars):
+                    self._breaches(host_arithmetic_breaches(eqn, env, where))
 
     @staticmethod
     def _sums_gradients(eqn, env) -> bool:
-        sources = [env.get(v) for v in eqn.invars if _is_var(v)]
+        sources = [env.get(v) for v in eqn.invars if is_var(v)]
         return bool(sources) and all(
             _is_host(v.aval) and s is not None and s.kind == "gradient"
             for v, s in zip(eqn.invars, sources)
@@ -221,7 +222,7 @@ class _Walker:
                 name=name or "host computation",
                 phase=phase,  # type: ignore[arg-type]
                 count=count,
-                operand_bytes=sum(_nbytes(v.aval) for v in eqn.invars if _is_var(v)) * count,
+                operand_bytes=sum(_nbytes(v.aval) for v in eqn.invars if is_var(v)) * count,
                 result_bytes=sum(_nbytes(v.aval) for v in eqn.outvars) * count,
                 where=" > ".join(where),
             )
@@ -233,7 +234,7 @@ class _Walker:
         label = label_in(stack)
         traceback = id(eqn.source_info.traceback) if eqn.source_info.traceback else None
         for invar, outvar in zip(eqn.invars, eqn.outvars):
-            if not _is_var(invar):
+            if not is_var(invar):
                 continue
             source = env.get(invar)
             to_host = _is_device(invar.aval) and _is_host(outvar.aval)
@@ -341,54 +342,6 @@ class _Walker:
             return paths.pop()
         return paths[0] if paths else None
 
-    # -- contract checks on the walk ---------------------------------------------------
-
-    def _check_residuals(self, eqn, env) -> None:
-        for v in eqn.invars:
-            if not _is_var(v):
-                continue
-            source = env.get(v)
-            if source is not None and source.fetched_in == "forward" and source.kind == "parameter":
-                self.violate(
-                    "fetched outside a region",
-                    source.what,
-                    f"`{source.what}` is host-resident, but its device copy fetched in the "
-                    "forward pass is kept for the backward pass (a residual), so the whole "
-                    "leaf occupies device memory for the step. Fetch it only inside a "
-                    "region: call the module through `ox.scan(...)`/`ox.checkpoint(...)` "
-                    "instead of `jax.device_put(...)` outside one.",
-                )
-
-    def _host_arithmetic(self, eqn, env, where) -> None:
-        for v in eqn.invars:
-            if not (_is_var(v) and _is_host(v.aval)):
-                continue
-            source = env.get(v)
-            place = f" (in {' > '.join(where)})" if where else ""
-            if source is not None and source.kind == "gradient":
-                self.violate(
-                    "host-typed gradient",
-                    source.what,
-                    f"The gradient of `{source.what}` is host-typed (the transpose of its "
-                    f"fetch sends it back to host memory) and `{eqn.primitive.name}`"
-                    f"{place} computes on it there. Gradients of host-resident parameters "
-                    "must reach the optimizer on the device: wrap the optimizer with "
-                    "`ox.offload_optimizer(...)`, or fetch them with "
-                    "`jax.device_put(g, jax.memory.Space.Device)` before clipping.",
-                )
-            else:
-                what = source.what if source is not None else "a host-typed value"
-                self.violate(
-                    "arithmetic on host",
-                    what,
-                    f"`{eqn.primitive.name}`{place} computes on `{what}` "
-                    f"({v.aval.str_short()}) in host "
-                    "memory. Fetch it to the device first (call the module through "
-                    "`ox.scan`/`ox.checkpoint`, or `jax.device_put(x, "
-                    "jax.memory.Space.Device)`), or, if computing on the host is intended, "
-                    "wrap the computation in `with ox.host_compute():`.",
-                )
-
     # -- nested programs -------------------------------------------------------------
 
     def _nested(self, eqn, env, count, phase, where, host_ok, dests) -> None:
@@ -464,12 +417,12 @@ class _Walker:
     def _enter(self, body, invars, outvars, env, count, phase, where, host_ok, dests) -> None:
         inner: dict = {}
         for outer, var in zip(invars, body.invars):
-            if _is_var(outer) and outer in env:
+            if is_var(outer) and outer in env:
                 inner[var] = env[outer]
         aligned = len(outvars) == len(body.outvars)
         outputs = [dests.get(v) for v in outvars] if aligned else None
         self.walk(body, inner, count, phase, where, host_ok, outputs=outputs)
         if len(outvars) == len(body.outvars):
             for outer, var in zip(outvars, body.outvars):
-                if _is_var(var) and var in inner and not _is_drop(outer):
+                if is_var(var) and var in inner and not _is_drop(outer):
                     env[outer] = inner[var]

@@ -11,7 +11,7 @@ import optax
 from jax.core import Tracer
 
 from .._declare.placement import Placement
-from .._plan.plan import state_plan
+from .._plan.of_trees import state_plan
 from .._plan.walk import is_array_leaf
 from .._sharding.host_compute import on_host_if_cheap
 from .._sharding.memory_space import is_host_typed, to_device, to_host
