@@ -691,3 +691,21 @@ def test_a_damaged_checksum_entry_names_the_file_and_the_leaf(tmp_path, change, 
         ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
     restored = ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny), verify=False)
     assert np.array_equal(restored["w"], _tiny()["w"])
+
+
+@pytest.mark.parametrize("name", ["lr[1e-3]", "run [1]"])
+def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path, name):
+    """Orbax globs its paths: with a bracket anywhere in one a checkpoint saves and never
+    restores. `*` and `?` restore, so they are allowed."""
+    tree = {"w": jnp.ones(3)}
+    for path in (tmp_path / name, tmp_path / name / "step_1"):
+        with pytest.raises(ValueError, match=r"has `\[` or `\]` in it.*nothing was written"):
+            ox.save_checkpoint(path, tree)
+        assert not (tmp_path / name).exists()
+    fine = tmp_path / "a*b?"
+    ox.save_checkpoint(fine, tree)
+    assert float(ox.restore_checkpoint(fine, tree)["w"][0]) == 1.0
+    moved = tmp_path / name
+    os.rename(fine, moved)  # written elsewhere, then moved where Orbax cannot read it
+    with pytest.raises(ValueError, match=r"nothing was read.*move the directory there"):
+        ox.restore_checkpoint(moved, tree)

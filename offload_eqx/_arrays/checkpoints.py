@@ -37,6 +37,7 @@ from .checkpoint_checks import (
     READ_FAILED,
     check_absent,
     check_complete,
+    check_no_brackets,
     check_savable,
     check_unique_names,
     complete_beside,
@@ -260,6 +261,7 @@ def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
     check_unique_names(caller, eqx.filter(tree, eqx.is_array))
     ocp = _orbax(caller)
     path = os.path.realpath(path)
+    check_no_brackets(caller, path)
     check_absent(caller, path)
     arrays = eqx.filter(tree, eqx.is_array)
     with private_checkpoint(caller, path) as written:
@@ -325,6 +327,7 @@ def restore_checkpoint(
     ocp = _orbax(caller)
     path = os.path.realpath(path)
     check_complete(caller, path)
+    check_no_brackets(caller, path, restoring=True)
     planned = eqx.filter(abstract(like, strategy, mesh=mesh), is_array_leaf)
     records = read_checksums(caller, path) if verify else None
     with _checkpointer(ocp, checkpointer) as opened:
