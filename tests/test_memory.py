@@ -392,3 +392,25 @@ def test_an_unknown_target_is_refused_before_the_step_is_traced():
     with pytest.raises(ValueError, match="Unknown target 'h200'"):
         memory_report(step, jnp.ones(3), target="h200")
     assert not traced
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # the batch's
+def test_a_plain_equinox_step_returning_a_module_is_reported_with_its_donation():
+    """`eqx.filter_jit(..., donate="all")` returning an `eqx.nn.MLP` (its activation is a
+    field, not an array): the report counts the arrays it returns and aliases what the
+    step donates, as it runs."""
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(64, 64, 128, depth=2, key=jax.random.key(0))
+
+    def sgd(model, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+
+    x = jnp.ones((8, 64))
+    kept = ox.memory_report(eqx.filter_jit(sgd), mlp, x)
+    donated = ox.memory_report(eqx.filter_jit(sgd, donate="all"), mlp, x)
+    size = sum(a.nbytes for a in jax.tree_util.tree_leaves(eqx.filter(mlp, eqx.is_array)))
+    leaves = len(jax.tree_util.tree_leaves(eqx.filter(mlp, eqx.is_array)))
+    assert size <= kept.device["output"] <= size + 8 * leaves  # and the result tuple's table
+    assert kept.device["alias"] == 0 and donated.device["alias"] == size

@@ -152,6 +152,15 @@ def _is_jit_object(fn: Any) -> bool:
     return hasattr(fn, "__wrapped__") and hasattr(fn, "lower") and hasattr(fn, "trace")
 
 
+def _equinox_donation(fn: Any, count: int) -> tuple[int, ...]:
+    """The arguments an `eqx.filter_jit(..., donate=...)` object donates: the first
+    (`donate_first`) and the others (`donate_rest`), as it runs."""
+    first, rest = getattr(fn, "donate_first", False), getattr(fn, "donate_rest", False)
+    if not isinstance(first, bool) or not isinstance(rest, bool):
+        return ()
+    return tuple(i for i in range(count) if (first if i == 0 else rest))
+
+
 def program_of_function(
     fn: Callable,
     args: tuple,
@@ -162,6 +171,8 @@ def program_of_function(
 ) -> Program:
     """The program of a plain function (or `jax.jit` object), with the memories of its
     arguments and results given by name (`in_memory`, `out_memory`, pytree prefixes)."""
+    if not donate_argnums:
+        donate_argnums = _equinox_donation(fn, len(args))
     if _is_jit_object(fn):
         fn = fn.__wrapped__  # compile the function as given; options replace its shardings
     all_leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -199,10 +210,13 @@ def program_of_function(
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, rebuilt)
         out = fn(*call_args, **call_kwargs)
         out_cell[:] = [out]
-        return jax.tree_util.tree_leaves(out)
+        # The arrays it returns: an `eqx.nn.MLP` returned whole holds its activation.
+        return [x for x in jax.tree_util.tree_leaves(out) if _is_dynamic(x)]
 
     def out_memories(out_avals):
         requested_out = _broadcast(out_memory, out_cell[0], "out_memory")
+        out_leaves = jax.tree_util.tree_leaves(out_cell[0])
+        requested_out = [r for r, x in zip(requested_out, out_leaves) if _is_dynamic(x)]
         result = []
         for memory, aval in zip(requested_out, out_avals):
             _check_memory(memory, "out_memory", "output")
