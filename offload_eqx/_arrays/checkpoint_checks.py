@@ -128,11 +128,6 @@ _EXISTS = (
     "is written whole into a new directory, never over or into another. Save to a new "
     "path (e.g. `step_<n>` for each step), or delete `{path}` first."
 )
-_BRACKETS = (
-    "{caller}: `{path}` has `[` or `]` in it, which Orbax reads as a glob pattern: a "
-    "checkpoint there is written whole and can never be restored (Orbax cannot find its "
-    "metadata), so nothing was {done}. Use a path without brackets, e.g. `{example}`{move}."
-)
 _COMPLETE = "Complete checkpoints in `{parent}`: {names}; pass the path of one, e.g. `{example}`."
 _NONE_COMPLETE = "Complete checkpoints in `{parent}`: none."
 
@@ -203,24 +198,6 @@ def check_absent(caller: str, path: str) -> None:
     if os.path.lexists(path):
         what = "a directory" if os.path.isdir(path) else "a file"
         raise FileExistsError(_EXISTS.format(caller=caller, path=path, what=what))
-
-
-def check_no_brackets(caller: str, path: str, restoring: bool = False) -> None:
-    """`path` has no `[` or `]`: Orbax globs its paths, and a bracket in any part of one
-    makes a checkpoint that saves and never restores (`run [1]`, `lr[1e-3]`; `*` and `?`
-    restore). A save refuses it before writing; a restore says why it cannot read it."""
-    if "[" not in path and "]" not in path:
-        return
-    example = path.replace("[", "-").replace("]", "").replace(" ", "_")
-    raise ValueError(
-        _BRACKETS.format(
-            caller=caller,
-            path=path,
-            done="read" if restoring else "written",
-            example=example,
-            move=" (move the directory there, then restore it)" if restoring else "",
-        )
-    )
 
 
 def describe(shape: Any, dtype: Any) -> str:

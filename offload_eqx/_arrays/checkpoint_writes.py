@@ -7,7 +7,8 @@ its own beside the checkpoint (`<name>.offload_eqx-tmp-<random>`, made by
 `tempfile.mkdtemp`, on the same file system), then renames the finished checkpoint to
 `<name>` in one step: a checkpoint is complete or absent. Of two saves racing for one path
 the first to finish wins; the other finds `<name>` taken, discards its own and raises. A
-save that fails for any reason removes its directory.
+save that fails for any reason removes its directory. A path Orbax cannot read back (one
+with `[` or `]`, which it globs) is refused before anything is written.
 """
 
 import contextlib
@@ -113,3 +114,28 @@ def private_checkpoint(caller: str, path: str) -> Iterator[str]:
     finally:
         if jax.process_index() == 0:
             shutil.rmtree(private, ignore_errors=True)
+
+
+_BRACKETS = (
+    "{caller}: `{path}` has `[` or `]` in it, which Orbax reads as a glob pattern: a "
+    "checkpoint there is written whole and can never be restored (Orbax cannot find its "
+    "metadata), so nothing was {done}. Use a path without brackets, e.g. `{example}`{move}."
+)
+
+
+def check_no_brackets(caller: str, path: str, restoring: bool = False) -> None:
+    """`path` has no `[` or `]`: Orbax globs its paths, and a bracket in any part of one
+    makes a checkpoint that saves and never restores (`run [1]`, `lr[1e-3]`; `*` and `?`
+    restore). A save refuses it before writing; a restore says why it cannot read it."""
+    if "[" not in path and "]" not in path:
+        return
+    example = path.replace("[", "-").replace("]", "").replace(" ", "_")
+    raise ValueError(
+        _BRACKETS.format(
+            caller=caller,
+            path=path,
+            done="read" if restoring else "written",
+            example=example,
+            move=" (move the directory there, then restore it)" if restoring else "",
+        )
+    )

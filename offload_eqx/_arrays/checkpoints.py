@@ -37,7 +37,6 @@ from .checkpoint_checks import (
     READ_FAILED,
     check_absent,
     check_complete,
-    check_no_brackets,
     check_savable,
     check_unique_names,
     complete_beside,
@@ -50,7 +49,7 @@ from .checkpoint_checks import (
     write_checksums,
 )
 from .checkpoint_files import tree_deserialise_leaves
-from .checkpoint_writes import private_checkpoint
+from .checkpoint_writes import check_no_brackets, private_checkpoint
 from .place import abstract, check_not_deleted, match_type
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "tree_deserialise_leaves"]
