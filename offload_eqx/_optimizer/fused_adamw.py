@@ -1,4 +1,4 @@
-"""`optax.adam` / `optax.adamw` on float32 masters in one in-place pass per leaf.
+"""`optax.adam` / `optax.adamw` on float32 masters in one in-place pass, one call for all leaves.
 
 XLA:CPU compiles an update as one loop per result: Adam's `mu`, `nu`, the master and the
 parameter cast from it are four passes over memory, 42 bytes a bfloat16 parameter, with
