@@ -19,9 +19,15 @@ import pytest
 PHASE_SECONDS = 100.0
 
 # A phase known to be over it gets its own ceiling here until it is made smaller
-# (CONTRIBUTING.md, "The tests' time"). None is today: the fixture that compiles ox.fit's
-# plans between all and nothing, 363 s when the budget came, now takes 114 s.
-CEILINGS: dict[str, float] = {}
+# (CONTRIBUTING.md, "The tests' time"). The fixture that compiles ox.fit's plans between
+# all and nothing (363 s when the budget came, 114 s later) is charged to the first test
+# that uses it: its setup took 103.9 s on a fresh clone here (2026-11-29, 08:52) and under
+# 100 s on the runs before, so it crosses the budget when the machine is busy (issue 50,
+# item 11). Its ceiling stays until the fixture is made smaller.
+CEILINGS: dict[str, float] = {
+    "tests/test_fit_between.py::"
+    "test_budget_between_all_or_nothing_plans_is_filled_by_a_fractional_plan": 150.0,
+}
 
 _seconds: dict[tuple[str, str], float] = {}
 
