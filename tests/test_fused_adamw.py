@@ -230,3 +230,14 @@ def test_the_cpu_estimate_prices_the_kernel_by_its_bytes_at_the_hosts_update_ban
     assert kernel <= estimate.seconds <= kernel + 20 * speeds.kernel_launch + 1e-4
     assert estimate.traced_seconds is not None
     assert estimate.traced_seconds == pytest.approx(kernel, rel=0.2)
+
+
+def test_a_mask_of_other_truth_values_runs_as_xla_compiles_it():
+    """A decay mask of ints (which optax reads by their truth) is not one the kernel
+    takes: optax's operations run, and train as the definition."""
+    tx = optax.adamw(
+        LR, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(lambda x: int(x.ndim > 1), p)
+    )
+    params, state, step = _train(tx, steps=1)
+    assert KERNEL not in _compiled_text(step, _x(), params, state)
+    _assert_equals_definition(tx)

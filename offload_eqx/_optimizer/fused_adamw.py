@@ -181,7 +181,7 @@ def recognise(tx: Any) -> AdamW | None:
     return dataclasses.replace(spec, prefix=parts[:-1])
 
 
-def _decayed(spec: AdamW, wide: Any) -> list[bool]:
+def _decayed(spec: AdamW, wide: Any) -> list[bool] | None:
     """Whether weight decay applies, leaf by leaf of `wide` (None: a mask that is not
     made of Python booleans, which the kernel cannot follow)."""
     if spec.weight_decay is None:
@@ -194,7 +194,7 @@ def _decayed(spec: AdamW, wide: Any) -> list[bool]:
     )
     leaves = jax.tree_util.tree_leaves(flags)
     if not all(isinstance(f, bool | np.bool_) for f in leaves):
-        return None  # type: ignore[return-value]
+        return None
     return [bool(f) for f in leaves]
 
 
