@@ -44,6 +44,7 @@ from .._base.primitives import (
     is_callback,
     phase_of,
 )
+from .._plan.remat_policy import module_in
 from .._sharding.host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_computation
 from .._sharding.memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
 from .destinations import destinations
@@ -138,8 +139,10 @@ class _Walker:
         dests = destinations(jaxpr, outputs or [None] * len(jaxpr.outvars))
         seen_backward = False
         fetches: list[tuple[int, str]] = []  # host leaves fetched in this body: (traceback, path)
+        outer = where
         for eqn in jaxpr.eqns:
             stack = str(eqn.source_info.name_stack)
+            where = _in_module(outer, stack)
             eqn_phase = phase_of(stack, phase, seen_backward)
             if eqn_phase == "backward":
                 seen_backward = self.saw_backward = True
@@ -426,3 +429,10 @@ class _Walker:
             for outer, var in zip(outvars, body.outvars):
                 if is_var(var) and var in inner and not _is_drop(outer):
                     env[outer] = inner[var]
+
+
+def _in_module(where: tuple[str, ...], stack: str) -> tuple[str, ...]:
+    """`where`, with the annotated module whose region an equation was traced in (its
+    path, from the name stack) when no enclosing body says it already."""
+    module = module_in(stack)
+    return where if module is None or module in where else (module, *where)

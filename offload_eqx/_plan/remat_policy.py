@@ -81,6 +81,21 @@ def _scan_consts_and_carry(params: dict) -> tuple[int, int]:
 
 # The scope `ox.scan` runs its loop in, so that a carry name can say which scan it is.
 OX_SCAN_SCOPE = "ox_scan"
+# The scope an annotated module's region runs in, followed by the module's path, so that
+# the audit says which module a transfer belongs to (and profiles show it).
+MODULE_SCOPE = "ox_module:"
+
+
+def module_in(stack: str) -> str | None:
+    """The path of the innermost annotated module's region in a name stack (the string
+    of an equation's `source_info.name_stack`), if any."""
+    start = stack.rfind(MODULE_SCOPE)
+    if start < 0:
+        return None
+    path = stack[start + len(MODULE_SCOPE) :]
+    for end in ("/", ")"):
+        path = path.split(end, 1)[0]
+    return path or None
 
 
 def carried_names(jaxpr: Any) -> dict[str, str]:

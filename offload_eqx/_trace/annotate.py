@@ -7,6 +7,7 @@ the original `__call__`, so the model computes exactly as before and
 `isinstance(layer, eqx.nn.Linear)` still holds.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -17,12 +18,13 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec
 
-from .._declare.activations import Activations, check_policy
+from .._declare.activations import Activations, check_name, check_policy
 from .._declare.placement import METADATA_KEY, Memory, Placement, check_memory
+from .._plan.remat_policy import MODULE_SCOPE
 from .._plan.walk import ANNOTATION_ATTRIBUTE, format_keys, holds_an_array
 from .._sharding.memory_space import is_host_typed
-from .regions import checkpoint
-from .state import current, inside_region
+from .regions import call_in_region, name_boundary
+from .state import argument_path, current, inside_region
 
 _SUBCLASSES: dict[tuple, type] = {}
 # Set on the classes whose `__call__` brings its own region.
@@ -51,20 +53,55 @@ class Call(eqx.Module):
         return self.method(self.module, *args, **kwargs)
 
 
-def with_region(method: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """The names an annotated module gives the floating-point arrays of its call's first
+    argument (`inputs`) and of what the call returns (`outputs`)."""
+
+    inputs: str | None = None
+    outputs: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.inputs is not None or self.outputs is not None
+
+
+def with_region(method: Any, boundary: Boundary = Boundary(), region: bool = True) -> Any:
     """A method of an annotated module (its `__call__`, or another public method such as
     `generate`): the original one, inside a region (so the module's host-resident
     leaves are fetched there, and its activations follow the step's strategy), unless
     a region that fetched its leaves encloses it. Outside `ox.filter_jit`, a module whose
-    arrays are all on the device runs as written, exactly as the unannotated one."""
+    arrays are all on the device runs as written, exactly as the unannotated one. With
+    a `boundary`, its input and output carry the names it declares: at the boundary of
+    its own region, or inside the enclosing one."""
 
     @functools.wraps(method)
     def in_region(self, *args, **kwargs):
-        if _holds_host_arrays(self) or (current() is not None and not inside_region()):
-            return checkpoint(Call(self, method), *args, **kwargs)
-        return method(self, *args, **kwargs)
+        own = _holds_host_arrays(self) or (current() is not None and not inside_region())
+        if region and own:
+            path = _module_path(self)
+            with jax.named_scope(MODULE_SCOPE + path) if path else contextlib.nullcontext():
+                return call_in_region(Call(self, method), args, kwargs, *_names(boundary))
+        if args and boundary.inputs is not None:
+            args = (name_boundary(args[0], boundary.inputs), *args[1:])
+        return name_boundary(method(self, *args, **kwargs), boundary.outputs)
 
     return in_region
+
+
+def _names(boundary: Boundary) -> tuple[str | None, str | None]:
+    return boundary.inputs, boundary.outputs
+
+
+def _module_path(module: Any) -> str | None:
+    """The plan path of a module whose leaves are arguments of the step being traced
+    (`model.blocks[2]`), found from one of its leaves; None for a module made inside
+    the step, or outside `ox.filter_jit`."""
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(module)[0]:
+        path = argument_path(leaf)
+        suffix = format_keys(keys)
+        if path is not None and path.endswith(suffix):
+            return path[: len(path) - len(suffix)] or None
+    return None
 
 
 # Methods that answer a question about the layer rather than compute with its arrays
@@ -100,8 +137,9 @@ def _annotated_class(
     fields: frozenset[tuple[str, Placement]],
     activations: Activations | None,
     region: bool = False,
+    boundary: Boundary = Boundary(),
 ) -> type:
-    key = (cls, fields, activations, region)
+    key = (cls, fields, activations, region, boundary)
     try:
         return _SUBCLASSES[key]
     except KeyError:
@@ -131,6 +169,9 @@ def _annotated_class(
     if region and fields:
         namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
         namespace[REGION_ATTRIBUTE] = True
+    if boundary:
+        call = region_methods(cls)["__call__"]
+        namespace["__call__"] = with_region(call, boundary, region)
     # Pickled by what it was made from: the class itself is made here, so pickle cannot
     # find it by name (a copy or a checkpoint of an annotated model would fail).
     namespace["__reduce__"] = lambda self: (_rebuild, (key, _field_values(self)))
@@ -233,46 +274,21 @@ def _elements(value: Any) -> Any:
     return type(value)(mark(item) for item in items)
 
 
-def annotate(
-    tree: Any,
-    where: Callable[[Any], Any],
-    *,
-    memory: str | None = None,
-    spec: PartitionSpec | None = None,
-    activations: Activations | dict[str, str] | None = None,
-    region: bool = True,
-) -> Any:
-    """Declare placements and activation policies on modules you cannot edit.
-
-    **Arguments:**
-
-    - `tree`: the model (any pytree containing `eqx.Module`s).
-    - `where`: like `eqx.tree_at`'s, selects one node or a sequence of nodes: a module
-        (every array field of it gets the placement) or an array field of a module.
-    - `memory`: `"device"` or `"pinned_host"`; marks the selected leaves as managed.
-    - `spec`: an optional `PartitionSpec` for the selected leaves.
-    - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
-        declared on the selected modules.
-    - `region`: with `memory=`, each selected module (or the module owning a selected
-        field) runs its `__call__` (and its other public methods) in a remat region
-        when no region fetched its leaves, so its host-resident leaves are fetched
-        there, one module at a time, under every strategy; its cost is that of
-        `ox.checkpoint` (the call is recomputed in the backward pass unless the strategy
-        saves everything). `region=False` opts out: call the module through
-        `ox.scan`/`ox.checkpoint` yourself.
-
-    **Returns:** a copy of `tree`; the original is not changed.
-
-    ```python
-    mlp = ox.annotate(mlp, lambda m: m.layers, memory="pinned_host")
-    mlp = ox.annotate(mlp, lambda m: m, activations={"h": "offload"})
-    ```
-    """
-    if memory is None and activations is None:
+def _checked(
+    where: Any,
+    memory: str | None,
+    spec: PartitionSpec | None,
+    activations: Activations | dict[str, str] | None,
+    inputs: str | None,
+    outputs: str | None,
+) -> tuple[Placement | None, Activations | None, Boundary]:
+    """`ox.annotate`'s arguments checked, before any work: the placement, the
+    activations and the boundary names they declare."""
+    if memory is None and activations is None and inputs is None and outputs is None:
         raise ValueError(
-            "ox.annotate(...) was given neither `memory=` nor `activations=`: there is "
-            "nothing to annotate. Pass memory='pinned_host' (or 'device'), and/or "
-            "activations={'name': 'offload'}."
+            "ox.annotate(...) was given none of `memory=`, `activations=`, `inputs=` or "
+            "`outputs=`: there is nothing to annotate. Pass memory='pinned_host' (or "
+            "'device'), and/or activations={'name': 'offload'}, and/or inputs='name'."
         )
     if not callable(where):
         raise TypeError(
@@ -287,7 +303,57 @@ def annotate(
         for name, policy in activations.items():
             check_policy(name, policy, where="ox.annotate(activations=...)")
         activations = Activations(**activations)
+    for argument, name in (("inputs", inputs), ("outputs", outputs)):
+        if name is not None:
+            check_name(name, where=f"ox.annotate({argument}=...)")
+    return placement, activations, Boundary(inputs, outputs)
 
+
+def annotate(
+    tree: Any,
+    where: Callable[[Any], Any],
+    *,
+    memory: str | None = None,
+    spec: PartitionSpec | None = None,
+    activations: Activations | dict[str, str] | None = None,
+    inputs: str | None = None,
+    outputs: str | None = None,
+    region: bool = True,
+) -> Any:
+    """Declare placements and activation policies on modules you cannot edit.
+
+    **Arguments:**
+
+    - `tree`: the model (any pytree containing `eqx.Module`s).
+    - `where`: like `eqx.tree_at`'s, selects one node or a sequence of nodes: a module
+        (every array field of it gets the placement) or an array field of a module.
+    - `memory`: `"device"` or `"pinned_host"`; marks the selected leaves as managed.
+    - `spec`: an optional `PartitionSpec` for the selected leaves.
+    - `activations`: per-name policies (`{"h": "offload"}` or `ox.Activations(...)`)
+        declared on the selected modules.
+    - `inputs`, `outputs`: names for the floating-point arrays of each selected module's
+        input (the first argument of its `__call__`) and output, as `ox.name` would give
+        them inside the module: a block's input offloaded from outside the library that
+        wrote it (`inputs="block_input", activations={"block_input": "offload"}`, what
+        MaxText calls `decoder_layer_input=offload`). The name applies at the boundary of
+        the module's region (or inside the region that encloses the call: `ox.scan`).
+    - `region`: with `memory=` (or `inputs=`/`outputs=`), each selected module (or the
+        module owning a selected field) runs its `__call__` (and, with `memory=`, its
+        other public methods) in a remat region when no region fetched its leaves, so
+        its host-resident leaves are fetched there, one module at a time, under every
+        strategy; its cost is that of `ox.checkpoint` (the call is recomputed in the
+        backward pass unless the strategy saves everything). `region=False` opts out:
+        call the module through `ox.scan`/`ox.checkpoint` yourself.
+
+    **Returns:** a copy of `tree`; the original is not changed.
+
+    ```python
+    mlp = ox.annotate(mlp, lambda m: m.layers, memory="pinned_host")
+    mlp = ox.annotate(mlp, lambda m: m, activations={"h": "offload"})
+    lm = ox.annotate(lm, lambda m: m.blocks, inputs="x", activations={"x": "offload"})
+    ```
+    """
+    placement, activations, boundary = _checked(where, memory, spec, activations, inputs, outputs)
     marked = eqx.tree_at(where, tree, replace_fn=_Marker)
 
     def rebuild(node: Any, path: str) -> Any:
@@ -307,9 +373,10 @@ def annotate(
                 if placement
                 else frozenset()
             )
-            if not fields and activations is None:
+            if not fields and activations is None and not boundary:
                 return inner  # no arrays to place (an `eqx.nn.Lambda` in a list of layers)
-            return copy_as(inner, _annotated_class(type(inner), fields, activations, region))
+            annotated = _annotated_class(type(inner), fields, activations, region, boundary)
+            return copy_as(inner, annotated)
         if isinstance(node, eqx.Module):
             overrides = []
             values = {}
@@ -322,10 +389,11 @@ def annotate(
                 if isinstance(value, _Marker) and _elements(value.value) is not value.value:
                     value = _elements(value.value)  # a list of modules: its elements
                 elif isinstance(value, _Marker) and not isinstance(value.value, eqx.Module):
-                    if activations is not None and placement is None:
+                    if (activations is not None and placement is None) or boundary:
+                        what = "inputs and outputs" if boundary else "activations"
                         raise ValueError(
                             f"ox.annotate: `where` selected the field `{child_path}`, but "
-                            "activations are declared on modules. Select the module "
+                            f"{what} are declared on modules. Select the module "
                             f"`{path}` instead."
                         )
                     overrides.append((f.name, placement))

@@ -27,7 +27,16 @@ from .._sharding.host_compute import on_host
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .argument_writes import Snapshot, refuse_layer_writes, write_back
 from .fetches import fetch_captured, fetched, labels_of
-from .state import active_plan, argument_path, current, in_region, record_name
+from .state import (
+    active_plan,
+    argument_path,
+    current,
+    in_region,
+    inside_region,
+    name_of,
+    note_name,
+    record_name,
+)
 
 _AXIS_MISMATCH = (
     "ox.scan: the leaves of the stacked module disagree on the length of the layer axis "
@@ -59,10 +68,9 @@ def name(x: Any, name: str) -> Any:
     check_name(name, where="ox.name(x, name)")
     record_name(name)
     out = checkpoint_name(x, name)
-    state = current()
-    if state is not None and state.depth > 0:
+    if inside_region():
         for leaf in jax.tree_util.tree_leaves(out):
-            state.named_outputs[id(leaf)] = (name, leaf)
+            note_name(leaf, name)
     return out
 
 
@@ -73,14 +81,7 @@ def _plan_for(module: Any) -> Plan:
 
 def _names_of(tree: Any) -> list[str | None]:
     """For each leaf of `tree`, the name `ox.name` gave it in this trace, if any."""
-    state = current()
-    if state is None:
-        return [None] * len(jax.tree_util.tree_leaves(tree))
-    named = state.named_outputs
-    return [
-        named[id(x)][0] if id(x) in named and named[id(x)][1] is x else None
-        for x in jax.tree_util.tree_leaves(tree)
-    ]
+    return [name_of(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _rename(tree: Any, names: list[str | None]) -> Any:
@@ -193,12 +194,25 @@ def _check_not_hidden(fn: Callable, caller: str) -> None:
 
 def _note_outputs(out: Any, names: list[str | None]) -> None:
     """Remember which outputs of a region carry a name, for the region that takes them."""
-    state = current()
-    if state is None:
-        return
     for leaf, n in zip(jax.tree_util.tree_leaves(out), names):
         if n is not None:
-            state.named_outputs[id(leaf)] = (n, leaf)
+            note_name(leaf, n)
+
+
+def boundary_names(tree: Any, name: str | None, names: list[str | None]) -> list[str | None]:
+    """`names` (one per leaf of `tree`) with `name` given to every floating-point array
+    leaf: the names an annotated module gives its input or output (`ox.annotate(...,
+    inputs=, outputs=)`). Integer inputs (tokens) and keys are not activations."""
+    if name is None:
+        return names
+    leaves = jax.tree_util.tree_leaves(tree)
+    return [name if eqx.is_inexact_array(x) else n for x, n in zip(leaves, names)]
+
+
+def name_boundary(tree: Any, name: str | None) -> Any:
+    """`tree` with its floating-point arrays named `name` (see `boundary_names`)."""
+    names = boundary_names(tree, name, [None] * len(jax.tree_util.tree_leaves(tree)))
+    return _rename(tree, names)
 
 
 def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -219,13 +233,25 @@ def checkpoint(module: Any, *args: Any, **kwargs: Any) -> Any:
             _NOT_CALLABLE.format(caller="ox.checkpoint", value=module, kind=type(module).__name__)
         )
     _check_not_hidden(module, "ox.checkpoint")
+    return call_in_region(module, args, kwargs)
+
+
+def call_in_region(
+    module: Any, args: tuple, kwargs: dict, inputs: str | None = None, outputs: str | None = None
+) -> Any:
+    """`ox.checkpoint(module, *args, **kwargs)`, the floating-point arrays of the first
+    argument named `inputs` at the region's boundary, inside it (where the policy
+    applies), and those of the output named `outputs` for the region that takes them."""
     module = fetch_captured(module)
     in_names = _names_of(args)
+    if args:
+        first = len(jax.tree_util.tree_leaves(args[0]))
+        in_names[:first] = boundary_names(args[0], inputs, in_names[:first])
     has_host = any(is_host_typed(x) for x in jax.tree_util.tree_leaves(module))
     out_names: list = []
     region = _region(_plan_for(module), has_host, True, out_names, labels=labels_of(module))
     out = region(module, args, kwargs, in_names)
-    _note_outputs(out, out_names)
+    _note_outputs(out, boundary_names(out, outputs, out_names))
     return out
 
 

@@ -55,16 +55,48 @@ def argument_path(leaf: Any) -> str | None:
     state = _STATE.get()
     if state is None:
         return None
-    for _ in range(8):  # transformations nest: grad of vmap of ...
-        path = state.leaf_paths.get(id(leaf))
+    for value in stands_for(leaf):
+        path = state.leaf_paths.get(id(value))
         if path is not None:
             return path
+    return None
+
+
+def stands_for(leaf: Any) -> list[Any]:
+    """`leaf`, and the values it stands for under transformations: `jax.grad` and
+    `jax.vmap` wrap a value in a tracer whose primal, or batched value, is the value
+    outside them (transformations nest: grad of vmap of ...)."""
+    values = [leaf]
+    for _ in range(8):
         inner = getattr(leaf, "primal", None)
         if inner is None:
             inner = getattr(leaf, "val", None)
         if inner is None or inner is leaf:
-            return None
+            break
+        values.append(inner)
         leaf = inner
+    return values
+
+
+def note_name(leaf: Any, name: str) -> None:
+    """Remember that `leaf` (a region's output) carries `name`, for the region that
+    takes it as input: under `jax.vmap` of each call, that region sees the value this
+    one's batched tracer stands for."""
+    state = _STATE.get()
+    if state is not None:
+        for value in stands_for(leaf):
+            state.named_outputs[id(value)] = (name, value)
+
+
+def name_of(leaf: Any) -> str | None:
+    """The name `note_name` gave `leaf`, or a value it stands for, in this trace."""
+    state = _STATE.get()
+    if state is None:
+        return None
+    for value in stands_for(leaf):
+        entry = state.named_outputs.get(id(value))
+        if entry is not None and entry[1] is value:
+            return entry[0]
     return None
 
 
