@@ -1,5 +1,6 @@
 """The default session's time budget (`time_budget.py`) fails a `--time-budget` run over
-it, naming the test, and lets `--full` runs and runs without the flag through."""
+it, naming the test, grows on a slower or busier machine, and lets `--full` runs and runs
+without the flag through; `nox -s tests` asks for it only on CI."""
 
 import pathlib
 
@@ -8,10 +9,13 @@ import pytest
 BUDGET_PLUGIN = pathlib.Path(__file__).with_name("time_budget.py")
 
 
-@pytest.fixture
-def project(pytester):
+def _project(pytester, reference: float):
+    """A project with a budget of 0.5 s on a machine whose fixed work takes `reference`
+    seconds (huge: every machine is as fast; tiny: every machine is far slower)."""
     plugin = BUDGET_PLUGIN.read_text().replace("PHASE_SECONDS = 100.0", "PHASE_SECONDS = 0.5")
     assert "PHASE_SECONDS = 0.5" in plugin  # the budget's line is where this test looks
+    line = next(x for x in plugin.splitlines() if x.startswith("REFERENCE_SECONDS = "))
+    plugin = plugin.replace(line, f"REFERENCE_SECONDS = {reference!r}")
     ceiling = '"test_times.py::test_slow_with_a_ceiling": 5.0,'
     plugin = plugin.replace("CEILINGS: dict[str, float] = {", "CEILINGS = {" + ceiling)
     assert ceiling in plugin  # and the ceilings' line
@@ -41,6 +45,11 @@ def project(pytester):
     return pytester
 
 
+@pytest.fixture
+def project(pytester):
+    return _project(pytester, reference=1e9)
+
+
 def test_a_test_over_the_budget_fails_the_run_and_is_named(project):
     result = project.runpytest_subprocess("-p", "no:cacheprovider", "--time-budget")
     result.assert_outcomes(passed=3)
@@ -63,6 +72,38 @@ def test_full_and_unbudgeted_runs_are_not_held_to_it(project, options):
 UNCHECKED = {
     f"offload_eqx._planning.{m}" for m in ("flops", "fused", "hlo", "kernels", "prices", "schedule")
 }
+
+
+def test_a_slower_machine_gets_a_larger_budget(pytester):
+    """A machine (or a load) that makes the fixed work take many times the project
+    machine's time gives the budget as many times: the slow test passes, and a run on
+    that machine is not failed for its speed."""
+    project = _project(pytester, reference=1e-6)
+    result = project.runpytest_subprocess("-p", "no:cacheprovider", "--time-budget")
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_the_slowdown_never_shrinks_the_budget():
+    import time_budget
+
+    assert time_budget.slowdown([0.01, 0.02], reference=0.1) == 1.0
+    assert time_budget.slowdown([0.1, 0.3], reference=0.1) == pytest.approx(3.0)
+    assert 0.0 < time_budget.machine_seconds(repeats=1) < 60.0
+
+
+def test_the_budget_is_asked_for_on_ci_only(monkeypatch):
+    """A user's `nox -s tests` is never failed for time; `.ci/run` asks for the budget."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert "OFFLOAD_EQX_TIME_BUDGET=1" in (root / ".ci" / "run").read_text()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noxfile", root / "noxfile.py")
+    noxfile = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(noxfile)  # type: ignore[union-attr]
+    monkeypatch.delenv("OFFLOAD_EQX_TIME_BUDGET", raising=False)
+    assert noxfile.time_budget() == ()
+    monkeypatch.setenv("OFFLOAD_EQX_TIME_BUDGET", "1")
+    assert noxfile.time_budget() == ("--time-budget",)
 
 
 def test_every_module_is_type_checked_at_run_time_but_the_step_time_models_loops():
