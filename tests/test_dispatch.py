@@ -252,6 +252,55 @@ def test_the_timers_signal_for_an_interrupt_already_delivered_is_dropped(python_
         signal.raise_signal(signal.SIGINT)
 
 
+def _calling_back(kind: str):
+    """A step whose host callback is interrupted by Ctrl-C (the signal arrives while the
+    callback's Python code runs)."""
+
+    def interrupt(x):
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(1.0)  # Python raises the interrupt here
+        return x
+
+    def step(model, x):
+        if kind == "debug":
+            jax.debug.callback(interrupt, x)
+        else:
+            x = jax.pure_callback(interrupt, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.tree.map(lambda w: w + x.sum(), model), x.sum()
+
+    return step
+
+
+@pytest.mark.filterwarnings("ignore:.*the step can raise while it runs")
+@pytest.mark.parametrize("donate", ["none", "all"])
+@pytest.mark.parametrize("kind", ["debug", "pure"])
+def test_ctrl_c_in_a_host_callback_is_a_keyboard_interrupt_that_says_the_state_is_kept(
+    python_sigint, kind, donate
+):
+    """It surfaced as XLA's `JaxRuntimeError: INTERNAL: CpuCallback error calling
+    callback`, which `except KeyboardInterrupt` does not catch, and said nothing of the
+    state (issue 50, item 7). A step that calls back donates nothing, so the inputs hold
+    the state before the step, and the error says so."""
+    step = ox.filter_jit(_calling_back(kind), donate=donate)
+    model = {"w": jnp.ones(3)}
+    with pytest.raises(KeyboardInterrupt, match=r"ran a host callback.*arguments you passed still"):
+        step(model, jnp.ones(3))
+    assert not model["w"].is_deleted()
+    np.testing.assert_array_equal(model["w"], np.ones(3))
+
+
+def test_ctrl_c_in_the_callback_of_a_step_donating_anyway_is_held(python_sigint):
+    """With `donate_on_error=True` the step donates although it calls back: Ctrl-C is then
+    held as in every donating step, the step returns its outputs, and the interrupt
+    comes at the next call, before it donates."""
+    step = ox.filter_jit(_calling_back("pure"), donate="all", donate_on_error=True)
+    model, _ = step({"w": jnp.ones(3)}, jnp.ones(3))
+    with pytest.raises(KeyboardInterrupt, match=r"while \(or just after\) ox.filter_jit"):
+        for _ in range(3):
+            model, _ = step(model, jnp.ones(3))
+    assert not model["w"].is_deleted()
+
+
 def test_a_finished_runs_state_leaves_device_memory():
     """`last_outputs` kept the latest donating call's outputs in the function's cache
     for as long as the function lived: on the first GPU run, each strategy tried in turn

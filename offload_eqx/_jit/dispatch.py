@@ -19,10 +19,17 @@ from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
 from jax.core import Tracer
 
 from .._base.errors import ImplicitTransferError, UnhashableStaticError, is_placement_mismatch
-from .._plan.walk import ARRAY_TYPES
+from .._plan.walk import ARRAY_TYPES, format_keys
 from .call_errors import abstract_problem, call_problem
 from .guard import explain, no_implicit_transfers
-from .interrupts import deliver_pending, hold, interrupt_waiting, release
+from .interrupts import (
+    deliver_pending,
+    hold,
+    interrupt_waiting,
+    interrupted_callback,
+    is_callback_interrupt,
+    release,
+)
 from .retrace import Misplaced, NewArgumentTypes, types_of
 from .runtime_errors import equinox_error, quiet_callback_failures
 
@@ -70,10 +77,22 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
             raise
         # JAX names arguments by index; say which leaves, when they are the cause.
         caller = f"ox.filter_jit({describe(_get(self, 'fn'))})"
+        if is_callback_interrupt(error):
+            raise interrupted_callback(caller, _deleted(self, args, kwargs)) from None
         problem = call_problem(error, self.arguments(*args, **kwargs), caller, _get(self, "donate"))
         if problem is None:
             raise
         raise problem from None
+
+
+def _deleted(self: Any, args: tuple, kwargs: dict) -> list[str]:
+    """The paths of the arguments whose buffers are deleted (donated to a step)."""
+    return [
+        label + format_keys(keys)
+        for label, value in self.arguments(*args, **kwargs)
+        for keys, x in jax.tree_util.tree_flatten_with_path(value)[0]
+        if isinstance(x, ArrayImpl) and x.is_deleted()
+    ]
 
 
 def split(self: Any, args: tuple, kwargs: dict) -> tuple[tuple, list, bool]:

@@ -63,8 +63,7 @@ def _handler(signum: int, frame: Any) -> None:
     if _Hold.running:
         _Hold.held = frame
     elif _Hold.pending is not None:
-        _take_pending()
-        _deliver(signum, frame, None)
+        _deliver(signum, frame, _take_pending())
     elif time.monotonic() - _Hold.released_at < GRACE:
         # Just after a donating call returned: its outputs may not be bound to the
         # loop's names yet. Held like one that arrived during the call.
@@ -147,3 +146,34 @@ def _pend(caller: str) -> None:
         _Hold.timer = threading.Timer(GRACE, _timer_fired)
         _Hold.timer.daemon = True
         _Hold.timer.start()
+
+
+_IN_CALLBACK = (
+    "Ctrl-C arrived while {caller} ran a host callback inside the step (`jax.debug."
+    "callback`, `jax.pure_callback`, `io_callback`, `jax.debug.print`): the step stopped "
+    "there and returned nothing. {fate}"
+)
+_KEPT = (
+    "It had donated nothing (a step that calls back into Python keeps its inputs), so the "
+    "arguments you passed still hold the state before this step: resume from them."
+)
+_LOST = (
+    "Its donated inputs are deleted: {paths}. Resume from a checkpoint, or keep a "
+    "step's inputs by not donating them (`donate='none'`)."
+)
+
+
+def is_callback_interrupt(error: Exception) -> bool:
+    """Whether `error` is XLA's for a host callback whose Python code Ctrl-C interrupted
+    (XLA wraps what the callback raised in `INTERNAL: CpuCallback error`, which `except
+    KeyboardInterrupt` does not catch)."""
+    text = str(error)
+    return "CpuCallback error" in text and "\nKeyboardInterrupt" in text
+
+
+def interrupted_callback(caller: str, deleted: list[str]) -> KeyboardInterrupt:
+    """The `KeyboardInterrupt` for a Ctrl-C in a host callback, saying what became of the
+    state (`deleted`: paths of the arguments the step consumed)."""
+    shown = ", ".join(f"`{p}`" for p in deleted[:3]) + (", ..." if len(deleted) > 3 else "")
+    fate = _LOST.format(paths=shown) if deleted else _KEPT
+    return KeyboardInterrupt(_IN_CALLBACK.format(caller=caller, fate=fate))
