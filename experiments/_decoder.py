@@ -205,8 +205,9 @@ class Block(eqx.Module):
     attention: str = eqx.field(static=True, default="xla")  # one of `ATTENTION`
     # The TPU blog's choice: q, k, v projections go to host memory after the forward pass
     # and come back for the backward pass; every other value of the layer is recomputed.
-    # The layer input is named too, so a strategy can offload it; by default it is
-    # recomputed, which costs nothing (the scan keeps the carry anyway).
+    # The layer input is named too, so a strategy can offload it (MaxText's
+    # `decoder_layer_input=offload`); by default "remat", which for a layer's input
+    # recomputes nothing: `ox.scan` keeps it on the device as the layer's residual.
     activations: ox.Activations = ox.activations(
         block_input="remat", q="offload", k="offload", v="offload"
     )

@@ -86,8 +86,9 @@ def fit(
     that saves or recomputes everything else, and where managed parameters and optimizer
     state live (device, pinned_host, or updated on the host); then, between the best plan
     that fits and faster ones that do not, a name's policy in a number of layers
-    (`("save", k, "offload")`) and the largest leaves on the host. A name that is a scan's
-    loop carry is not searched (`FitResult.notes` says why).
+    (`("save", k, "offload")`) and the largest leaves on the host. A name that is a plain
+    `jax.lax.scan`'s loop carry is not searched (`FitResult.notes` says why); an `ox.scan`
+    layer's input is.
 
     How: every candidate is priced by the jaxpr count from a few traces (no compile),
     candidates are compiled in order of that time until the rest are predicted slower

@@ -1,7 +1,7 @@
 """`ox.fit`'s first step: what to search, and every candidate priced without a compile.
 
 `find_space` traces the plan that recomputes every name once, to find the searchable
-names (a scan's loop carry is fixed, with a note) and the placements the step allows.
+names (a plain scan's loop carry is fixed, with a note) and the placements the step allows.
 `price` then traces the plan that recomputes everything and the plan that saves
 everything, each with one name changed at a time, and each other placement of parameters
 and optimizer state: a candidate's load is its base's plus the difference each of its

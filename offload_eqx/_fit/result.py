@@ -47,7 +47,7 @@ class FitResult:
         search ordered and pruned candidates by, the `ms` column of `table()`).
     - `candidates`: every `ox.Candidate` considered, in the order the search met them.
     - `traces`, `compiles`, `seconds_searching`: what the search cost.
-    - `notes`: what was not searched, and why (a scan's loop carry, a plan that fails),
+    - `notes`: what was not searched, and why (a plain scan's loop carry, a plan that fails),
         and the kernels no rule prices when the step calls any.
 
     `table()` prints the chosen plan, the notes and the candidates; `to_dict()` for JSON.

@@ -9,10 +9,13 @@ A candidate is
 - where managed parameters live, and where the optimizer state lives (device or
   pinned_host), offered only when the step has such leaves.
 
-A name is not searchable when its value is a loop carry (the layer input of an `ox.scan`
-body): the scan keeps every iteration's carry for the backward pass whatever the policy,
-so offloading it would move bytes and free nothing, and saving or recomputing it changes
-nothing. `named_values` finds them on the traced program.
+A name is not searchable when its value is the loop carry of a plain `jax.lax.scan` (a
+block's output returned as the carry): that scan keeps every iteration's carry for the
+backward pass whatever the policy, so offloading it would move bytes and free nothing.
+The layer input of an `ox.scan` is searched: `ox.scan` names it inside each layer's
+region, where an offloaded copy replaces the carry as the layer's residual (the inputs of
+the layers leave the device: MaxText's `decoder_layer_input=offload`). `named_values`
+finds the carries on the traced program.
 """
 
 import dataclasses
@@ -40,13 +43,13 @@ class NamedValue:
 
     name: str
     bytes: int  # per step: the value's size times the trip counts of its enclosing scans
-    carry: bool  # the carry of an enclosing scan
+    carry: bool  # the carry of an enclosing `jax.lax.scan`, kept whatever its policy
     layers: int = 1  # the trip count of its enclosing scans (its layers), at most
 
 
 def named_values(jaxpr: Any) -> dict[str, NamedValue]:
     """Each name the forward pass of `jaxpr` produces (recomputation excluded), with its
-    bytes per step and whether it is a scan's carry.
+    bytes per step and whether it is the carry of a plain `jax.lax.scan`.
 
     A value recomputed for the backward pass sits under `rematted_computation`; so does
     the forward pass of a region that is itself rematerialised whole (an
@@ -54,7 +57,7 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
     appear nowhere else: those are taken from there."""
     strict: dict[str, NamedValue] = {}
     rematted: dict[str, NamedValue] = {}
-    carried = carried_names(jaxpr)
+    carried = {n for n, scan in carried_names(jaxpr).items() if scan == "jax.lax.scan"}
 
     def walk(j: Any, count: int) -> None:
         for eqn in j.eqns:
@@ -81,7 +84,7 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
 
 
 def carry_note(name: str, policy: Policy) -> str:
-    return _CARRY.format(name=name, scan="ox.scan", policy=policy)
+    return _CARRY.format(name=name, scan="jax.lax.scan", policy=policy)
 
 
 @dataclasses.dataclass(frozen=True)
