@@ -205,3 +205,26 @@ def test_a_wrong_call_fails_before_the_cpu_is_measured(monkeypatch):
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'x'"):
         ox.fit(lambda w, x: jnp.sum(w @ x), jnp.ones((4, 4)), target="cpu", device_budget=2**30)
     assert not measured
+
+
+def test_only_a_plain_scans_carry_is_left_out_of_the_search():
+    """A block's output returned as a plain `jax.lax.scan`'s carry is kept by that scan
+    whatever its policy; a layer's input named inside an `ox.scan` layer is not."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from offload_eqx._fit.space import named_values
+    from offload_eqx._plan.remat_policy import OX_SCAN_SCOPE
+
+    def plain(x):
+        body = lambda c, _: (checkpoint_name(jnp.sin(c), "out"), None)  # noqa: E731
+        return jax.lax.scan(body, x, length=3)[0]
+
+    def ours(x):
+        body = lambda c, _: (jnp.sin(checkpoint_name(c, "layer_in")), None)  # noqa: E731
+        with jax.named_scope(OX_SCAN_SCOPE):
+            return jax.lax.scan(body, x, length=3)[0]
+
+    x = jnp.ones(4)
+    assert named_values(jax.make_jaxpr(plain)(x).jaxpr)["out"].carry
+    layer_in = named_values(jax.make_jaxpr(ours)(x).jaxpr)["layer_in"]
+    assert not layer_in.carry and layer_in.bytes == 3 * 4 * 4
