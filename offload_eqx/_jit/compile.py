@@ -22,7 +22,6 @@ import numpy as np
 from jax.core import eval_jaxpr
 
 from .._arrays.place import match_type
-from .._base.errors import is_host_use_error
 from .._plan.plan import LeafPlan, Plan
 from .._plan.walk import format_keys, is_array_leaf
 from .._sharding.host_compute import (
@@ -36,7 +35,7 @@ from .._sharding.host_compute import (
 from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
-from .host_use import locate_host_use
+from .host_use import is_host_use, locate_host_use
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
 
@@ -256,8 +255,8 @@ def _trace(
     where JAX cannot use it is reported by path."""
     try:
         return jax.jit(user).trace(*abstract).jaxpr
-    except ValueError as error:
-        if not is_host_use_error(error):
+    except (ValueError, TypeError) as error:
+        if not is_host_use(error):
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None
 

@@ -2,13 +2,17 @@
 
 JAX reports only the primitive (`memory_space of all inputs passed to dot_general must
 be the same`), or, for a value computed on host memory and differentiated, only the
-types (`Expected cotangent type float32<host>[] but got float32[]`). To name the leaves,
+types (`Expected cotangent type float32<host>[] but got float32[]`), or, for a loop that
+carries such a value, the loop's carry (`while_loop body function carry input and carry
+output must have equal types`: diffrax's `BacksolveAdjoint` carries the vector field's
+parameters, and their gradient comes out host-typed). To name the leaves,
 the function is traced again with every host-resident argument but one typed as device
 memory: the ones that still fail are at fault, and the traceback of each failure holds
 the line of the user's code that used it. This runs only on that error path.
 """
 
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -59,6 +63,49 @@ _APPLY_FIXES = (
     "compute and apply the update in one call with `ox.update_and_apply(opt, grads, "
     "opt_state, model)`."
 )
+
+# JAX's words when a loop's carry (or a branch's result) goes in device-typed and comes
+# out host-typed (`TypeError: while_loop body function carry input and carry output must
+# have equal types ... has type float32[2,2] but the corresponding output carry component
+# has type float32<host>[2,2]`), and the pair of types it names.
+_TYPE_CHANGED = ("carry output must have equal types", "must have identical types")
+_CARRY_TYPES = re.compile(
+    r"has type (\S+) but the corresponding output carry component has type ([^\s;]+)"
+)
+_LOOP_CAUSE = (
+    "a loop carries {it} (a `while_loop` or `scan` in the code there: diffrax's "
+    "`BacksolveAdjoint` carries the vector field's parameters), and {its} gradient, "
+    "host-typed (the transpose of the fetch sends it back to host memory), comes out of "
+    "the loop's body where a device-typed value went in."
+)
+
+
+def changes_loop_type(error: BaseException) -> bool:
+    """Whether `error` is JAX's refusal of a loop whose carry (or of a `cond` whose
+    branch result) is host-typed where it went in device-typed."""
+    text = str(error)
+    return (
+        isinstance(error, TypeError) and "<host>" in text and any(t in text for t in _TYPE_CHANGED)
+    )
+
+
+def is_host_use(error: BaseException) -> bool:
+    """Whether `error` is one of JAX's errors for a host-typed value used where device
+    values are: an operation mixing memory spaces, a cotangent in the wrong memory, a
+    loop carry that changes memory."""
+    return is_host_use_error(error) or changes_loop_type(error)
+
+
+def _summary(error: BaseException) -> str:
+    """JAX's words for the fault, short: the first sentence, and for a loop carry the
+    first pair of types that differ."""
+    if not changes_loop_type(error):
+        return mixed_memory_spaces_summary(error)
+    text = str(error)
+    first = text.split("\n")[0].split(", but")[0]
+    types = _CARRY_TYPES.search(text)
+    return f"{first}: {types[1]} in, {types[2].rstrip('.')} out" if types else first
+
 
 # Frames of these packages are not where the user's code used a leaf.
 _LIBRARIES = tuple(
@@ -120,7 +167,8 @@ def locate_host_use(
         cause = _APPLY_CAUSE.format(function=function, **words)
         fixes = _APPLY_FIXES.format(function=function)
     else:
-        cause = _GENERAL_CAUSE.format(its="its" if one else "their", **words)
+        general = _LOOP_CAUSE if changes_loop_type(error) else _GENERAL_CAUSE
+        cause = general.format(its="its" if one else "their", **words)
         declared = {leaf.path for leaf in plan.leaves if leaf.declared is not None}
         annotated = bool(offenders) and set(offenders) <= declared
         fixes = _GENERAL_FIXES.format(annotate="" if annotated else _ANNOTATE, **words)
@@ -130,7 +178,7 @@ def locate_host_use(
         are="is" if one else "are",
         is_="is" if one else "are",
         where=f", at {where}" if where else "",
-        error=mixed_memory_spaces_summary(error),
+        error=_summary(error),
         cause=cause,
         fixes=fixes,
         **words,
@@ -179,8 +227,8 @@ class _Search:
         ]
         try:
             jax.make_jaxpr(self.flat)(*trial)
-        except ValueError as e:
-            if is_host_use_error(e):
+        except (ValueError, TypeError) as e:
+            if is_host_use(e):
                 # The use site of the first leaf told apart, else of the first group.
                 if self.where is None or (len(group) == 1 and not self.alone):
                     self.where = use_site(e) or self.where

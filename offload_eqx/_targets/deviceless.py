@@ -13,11 +13,14 @@ devices: on the same mesh rebuilt there (same axis names, sizes and types) when 
 arguments are on a mesh, else on one device. Host-resident arguments and results are
 compiled as host memory on every target: on compile-only GPUs their shardings are built on
 the abstract mesh and compiled under `jax.set_mesh` (a concrete-mesh `pinned_host`
-sharding there silently becomes device memory).
+sharding there silently becomes device memory); the step itself is traced with this
+machine's devices in that context (`_evaluated_here`), so what it evaluates while traced
+runs here, as it does for the CPU.
 """
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -27,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import config as _jax_config  # private: the context's concrete mesh
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._declare.placement import MEMORIES
@@ -267,6 +271,30 @@ def compiler_log(lines: list[str]) -> Iterator[None]:
                 sys.stderr.write("\n".join(others) + "\n")
 
 
+def _evaluated_here(flat: Callable[..., list], here: Any) -> Callable[..., list]:
+    """`flat`, traced with the concrete mesh `here` (the one outside `jax.set_mesh(target
+    mesh)`, usually none) as JAX's context, the target's abstract mesh kept.
+
+    A GPU target's program is traced under `jax.set_mesh` of its compile-only devices, and
+    JAX runs whatever a step evaluates while traced (`jax.ensure_compile_time_eval`:
+    `eqx.nn.RotaryPositionalEmbedding`'s tables, diffrax's `is_successful`) on the context
+    mesh's devices: on compile-only ones it fails, "'Executable' object has no attribute
+    'local_devices'". The jit around `flat` has taken the target's mesh by then (it
+    compiles for it); inside, such values are computed on this machine, as for the CPU
+    and TPU targets, and enter the program as constants.
+    """
+
+    @functools.wraps(flat)  # the program keeps the step's name
+    def traced_here(*leaves: Any) -> list:
+        on_target = _jax_config.device_context.swap_local(here)
+        try:
+            return flat(*leaves)
+        finally:
+            _jax_config.device_context.set_local(on_target)
+
+    return traced_here
+
+
 def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     """Compile `program` with `target`'s compiler (no device needed for GPU/TPU), once per
     process for each distinct program (`compile_memo`); XLA's log lines go into `log`
@@ -291,6 +319,8 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     ]
 
     flat = program.flat_on(sharding_mesh)
+    if abstract_mesh:
+        flat = _evaluated_here(flat, _jax_config.device_context.get_local())
 
     def compile_with(out_shardings: list | None) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)
