@@ -6,6 +6,16 @@ their operand's attribution and are not arithmetic even on host-typed values; ho
 callbacks are transfers; everything else is computation.
 """
 
+from typing import Any
+
+import jax.extend as jex
+
+
+def is_var(v: Any) -> bool:
+    """Whether a jaxpr atom is a variable (not a literal constant)."""
+    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
+
+
 # Equations that move or structure values rather than compute on them: host-typed
 # operands are fine here (a scan slicing host-resident layers, a region receiving them).
 STRUCTURAL = frozenset(

@@ -33,6 +33,7 @@ from .._base.errors import (
     ContractError as ContractError,
     Violation as Violation,
 )
+from .._base.primitives import is_var
 from .._base.table import format_bytes
 from .._declare.activations import policies_of
 from .._jit.guard import device_offenders
@@ -46,7 +47,6 @@ from .jaxpr_walk import (
     host_compute as host_compute,
 )
 from .transfer_report import Transfer as Transfer, TransferReport as TransferReport
-from .walk_checks import is_var
 
 # -- the entry point -------------------------------------------------------------------
 

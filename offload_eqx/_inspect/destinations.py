@@ -20,7 +20,7 @@ from typing import Any
 
 import jax.extend as jex
 
-from .._base.primitives import DATA_MOVEMENT, VIEWS
+from .._base.primitives import DATA_MOVEMENT, VIEWS, is_var
 
 # The operands whose data a data-movement equation's result holds; the others (indices,
 # a predicate, a padding value) only say where or which. Unlisted: every operand.
@@ -35,10 +35,6 @@ _DATA_OPERANDS = {
 _POSITIONAL = frozenset({"device_put", "optimization_barrier"})
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
-
-
 def _open(jaxpr: Any) -> Any:
     return getattr(jaxpr, "jaxpr", jaxpr)
 
@@ -49,14 +45,14 @@ def destinations(jaxpr: Any, outputs: list) -> dict:
     a known destination are keys."""
     found: dict = {}
     for var, where in zip(jaxpr.outvars, outputs):
-        if where is not None and _is_var(var):
+        if where is not None and is_var(var):
             found.setdefault(var, where)
     for eqn in reversed(jaxpr.eqns):
         results = [found.get(v) for v in eqn.outvars]
         if not any(r is not None for r in results):
             continue
         for var, where in _operand_destinations(eqn, results):
-            if where is not None and _is_var(var):
+            if where is not None and is_var(var):
                 found.setdefault(var, where)
     return found
 

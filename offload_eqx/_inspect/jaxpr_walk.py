@@ -42,6 +42,7 @@ from .._base.primitives import (
     VIEWS,
     callback_name,
     is_callback,
+    is_var,
     phase_of,
 )
 from .._plan.remat_policy import module_in
@@ -49,7 +50,7 @@ from .._sharding.host_compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_comp
 from .._sharding.memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
 from .destinations import destinations
 from .transfer_report import HostComputation, Transfer
-from .walk_checks import host_arithmetic_breaches, is_var, residual_breaches
+from .walk_checks import host_arithmetic_breaches, residual_breaches
 
 HOST_COMPUTE_SCOPE = "ox_host_compute"
 

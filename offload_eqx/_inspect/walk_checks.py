@@ -7,13 +7,8 @@ returns the breaches it finds as `(rule, leaf path, message)`; the walker record
 from collections.abc import Sequence
 from typing import Any
 
-import jax.extend as jex
-
+from .._base.primitives import is_var
 from .._sharding.memory_space import is_host_aval
-
-
-def is_var(v: Any) -> bool:
-    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
 
 
 def residual_breaches(eqn: Any, env: dict) -> list[tuple[str, str, str]]:

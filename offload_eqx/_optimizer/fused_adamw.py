@@ -45,6 +45,7 @@ import optax
 
 from .._kernels.build import target
 from .._sharding.host_compute import traced_platform
+from .state import is_none
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _OPTAX_ONLY = contextvars.ContextVar("offload_eqx_optax_only", default=False)
@@ -250,15 +251,11 @@ def _supported(grads: list, masters: list, mus: list, nus: list, likes: list) ->
     )
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def _by_master(master: Any, trees: tuple) -> tuple[Any, list[int], list[list]] | None:
     """`(the masters' structure, None leaves included; the positions of the masters;
     each tree's leaves at those positions)`, None where a tree has another structure."""
-    structure = jax.tree_util.tree_structure(master, is_leaf=_is_none)
-    leaves = jax.tree_util.tree_leaves(master, is_leaf=_is_none)
+    structure = jax.tree_util.tree_structure(master, is_leaf=is_none)
+    leaves = jax.tree_util.tree_leaves(master, is_leaf=is_none)
     kept = [i for i, x in enumerate(leaves) if x is not None]
     try:
         flat = [structure.flatten_up_to(t) for t in trees]

@@ -38,6 +38,7 @@ from .state import (
     eval_shape,
     flatten_transfers,
     host_mask,
+    is_none,
     on_device,
     shapes,
     trainable,
@@ -66,17 +67,13 @@ def _add(param: Any, update: Any) -> Any:
     return param if update is None else (param + update).astype(param.dtype)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def _split_by(host: Any, values: Any) -> tuple[Any, Any]:
     """`(values of the parameters in `host`, values of the others)`, each None elsewhere."""
     mine = jax.tree_util.tree_map(
-        lambda p, v: None if p is None else v, host, values, is_leaf=_is_none
+        lambda p, v: None if p is None else v, host, values, is_leaf=is_none
     )
     others = jax.tree_util.tree_map(
-        lambda p, v: v if p is None else None, host, values, is_leaf=_is_none
+        lambda p, v: v if p is None else None, host, values, is_leaf=is_none
     )
     return mine, others
 
@@ -215,10 +212,10 @@ class HostUpdate:
                     return (*_split_by(host, new_values), new_inner)
                 updates, new_inner = call_update(tx, grads, inner_state, given, extra_args)
                 new_host = jax.tree_util.tree_map(
-                    lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=_is_none
+                    lambda p, u: None if p is None else _add(p, u), host, updates, is_leaf=is_none
                 )
                 others = jax.tree_util.tree_map(
-                    lambda p, u: u if p is None else None, host, updates, is_leaf=_is_none
+                    lambda p, u: u if p is None else None, host, updates, is_leaf=is_none
                 )
                 return new_host, others, new_inner
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from .fused_adamw import fused_values
-from .state import NAME, call_update
+from .state import NAME, call_update, is_none
 
 _NOT_A_FLOAT = (
     "{name}(master_dtype=...) is {value!r}; expected None (the parameters are the "
@@ -63,14 +63,10 @@ class Masters(eqx.Module):
     state: Any
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def _cast_like(tree: Any, like: Any) -> Any:
     """Each leaf of `tree` in the dtype of the leaf of `like` at its place."""
     return jax.tree_util.tree_map(
-        lambda x, y: None if x is None else x.astype(y.dtype), tree, like, is_leaf=_is_none
+        lambda x, y: None if x is None else x.astype(y.dtype), tree, like, is_leaf=is_none
     )
 
 
@@ -146,6 +142,6 @@ def step_values(tx: Any, grads: Any, state: Any, params: Any, extra_args: dict) 
         lambda p, u: p if u is None else (p + u).astype(p.dtype),
         params,
         updates,
-        is_leaf=_is_none,
+        is_leaf=is_none,
     )
     return new_values, new_state

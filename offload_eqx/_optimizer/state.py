@@ -322,3 +322,8 @@ def check_matches(expected: Any, state: Any, *, name: str) -> None:
                 f"it shape {tuple(np.shape(wanted))}"
             )
             raise ValueError(_OTHER_PARAMETERS.format(name=name, detail=detail))
+
+
+def is_none(x: Any) -> bool:
+    """`is_leaf` for trees whose `None`s stand for leaves (no master, no update)."""
+    return x is None

@@ -13,7 +13,7 @@ import jax.extend as jex
 from jax import checkpoint_policies
 
 from .._base.errors import ContractError, Violation
-from .._base.primitives import VIEWS
+from .._base.primitives import VIEWS, is_var
 from .._declare.activations import LayerSplit, Policy, policies_of
 from .._declare.strategy import Strategy
 
@@ -65,10 +65,6 @@ _LOOP_CARRY = (
 )
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.core.Var) and not isinstance(v, jex.core.Literal)
-
-
 def _scan_consts_and_carry(params: dict) -> tuple[int, int]:
     """How many of a scan's inputs are constants and how many its carry. jax 0.10 names
     them `num_consts` and `num_carry`; jax 0.11 packs the inputs' groups into `ft_in`
@@ -108,7 +104,7 @@ def carried_names(jaxpr: Any) -> dict[str, str]:
         for eqn in j.eqns:
             value = eqn.invars[0] if eqn.invars else None
             if eqn.primitive.name == "name" and (
-                (_is_var(value) and value in carry_in) or eqn.outvars[0] in carry_out
+                (is_var(value) and value in carry_in) or eqn.outvars[0] in carry_out
             ):
                 found.setdefault(eqn.params["name"], scan)
             if eqn.primitive.name == "scan":
@@ -118,7 +114,7 @@ def carried_names(jaxpr: Any) -> dict[str, str]:
                 walk(
                     body,
                     set(body.invars[start : start + n]),
-                    {v for v in body.outvars[:n] if _is_var(v)},
+                    {v for v in body.outvars[:n] if is_var(v)},
                     "ox.scan" if ours else "jax.lax.scan",
                 )
                 continue
@@ -128,8 +124,8 @@ def carried_names(jaxpr: Any) -> dict[str, str]:
                 outs = zip(eqn.outvars, sub.outvars) if len(sub.outvars) == len(eqn.outvars) else ()
                 walk(
                     sub,
-                    {inner for outer, inner in ins if _is_var(outer) and outer in carry_in},
-                    {inner for outer, inner in outs if _is_var(inner) and outer in carry_out},
+                    {inner for outer, inner in ins if is_var(outer) and outer in carry_in},
+                    {inner for outer, inner in outs if is_var(inner) and outer in carry_out},
                     scan,
                 )
 
