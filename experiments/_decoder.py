@@ -8,7 +8,7 @@ through `ox.checkpoint`. Every weight is an `ox.field`, so a strategy may move i
 names its input and its q, k, v projections with `ox.name` and declares them with
 `ox.activations(...)` as the TPU blog does (q/k/v offloaded, everything else recomputed).
 
-Also here: the configurations (1B to 8B, and a tiny one for the CPU), the strategies the
+Also here: the configurations (1B to 70B, and a tiny one for the CPU), the strategies the
 experiment compares, the AdamW optimizer for each, the full training step, and the model
 and optimizer state as `jax.ShapeDtypeStruct`s. Public API only, importable from tests:
 
@@ -72,6 +72,10 @@ CONFIGS = {
     "8B": Config("8B", vocab=32000, dim=4096, ffn=14336, layers=32, heads=32, seq=2048),
     # Llama-2-13B's shape (the TPU blog's MaxText run), untied embeddings: 13.0B parameters.
     "13B": Config("13B", vocab=32000, dim=5120, ffn=13824, layers=40, heads=40, seq=2048),
+    # LLaMA-33B's shape (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
+    # Language Models", table 2: the "30B" model; dim 6656, 52 heads, 60 layers, SwiGLU
+    # hidden 17920, 2,048-token context): 32.5B parameters.
+    "30B": Config("30B", vocab=32000, dim=6656, ffn=17920, layers=60, heads=52, seq=2048),
     # Llama-2-70B's shape: 64 query heads sharing 8 key/value heads, 68.98B parameters.
     "70B": Config(
         "70B", vocab=32000, dim=8192, ffn=28672, layers=80, heads=64, seq=4096, kv_heads=8

@@ -29,6 +29,15 @@ _UNPRICED = (
     "it reads and writes alone, its FLOPs not counted, so every plan's time leaves that "
     "work out (a Pallas kernel is priced by the `pl.CostEstimate` it declares)."
 )
+# What each status that rules a plan out by memory says, and the budget it is over.
+_BUDGET_OF = {
+    "over the device budget": "device",
+    "not compiled: predicted to need": "device",
+    "not compiled: keeps at least what": "device",
+    "does not fit: the compiler ran out of device memory": "device",
+    "over the host budget": "host",
+    "not compiled: needs at least": "host",
+}
 _CRASHED = (
     " {count} more plans were not compiled because plans of the same placement crashed "
     "the compiler (listed below): a compiler limit, not a memory one; another target or "
@@ -49,8 +58,13 @@ class FitResult:
     - `traces`, `compiles`, `seconds_searching`: what the search cost.
     - `notes`: what was not searched, and why (a plain scan's loop carry, a plan that fails),
         and the kernels no rule prices when the step calls any.
+    - `device_budget`, `host_budget`: the budgets searched within, in bytes per device.
+    - `binds`: which budgets ruled out a plan predicted faster than the chosen one,
+        `"device"`, `"host"`, both, or neither (`()`: the fastest plan fits);
+        `binding()` says it in a sentence, with the chosen plan's headroom.
 
-    `table()` prints the chosen plan, the notes and the candidates; `to_dict()` for JSON.
+    `table()` prints the chosen plan, the binding budget, the notes and the candidates;
+    `to_dict()` for JSON.
     """
 
     strategy: Any
@@ -60,6 +74,44 @@ class FitResult:
     compiles: int
     seconds_searching: float
     notes: tuple[str, ...] = ()
+    device_budget: int | None = None
+    host_budget: int | None = None
+
+    @property
+    def binds(self) -> tuple[str, ...]:
+        """The budgets that ruled out a plan the count predicts faster than the chosen
+        one: a candidate over the device budget (compiled, or bounded before compiling)
+        binds the device, one over the host budget binds the host."""
+        found = {budget for _, budget in self._faster_over_budget()}
+        return tuple(budget for budget in ("device", "host") if budget in found)
+
+    def binding(self) -> str:
+        """Which budget binds, in a sentence, with the chosen plan's memory against each."""
+        binds, count = self.binds, len(self._faster_over_budget())
+        what = (
+            "neither budget binds: the fastest plan fits"
+            if not binds
+            else f"the {' and the '.join(binds)} budget{'s bind' if len(binds) > 1 else ' binds'}"
+            f" ({count} faster plan{'s' if count > 1 else ''} over it)"
+        )
+        return f"{what}; chosen plan: {self._against('device')}, {self._against('host')}."
+
+    def _faster_over_budget(self) -> list[tuple[Candidate, str]]:
+        chosen = next((c for c in self.candidates if c.status == "best"), None)
+        fastest = chosen.seconds if chosen is not None else self.estimate.seconds
+        return [
+            (c, budget)
+            for c in self.candidates
+            if c.seconds < fastest
+            for prefix, budget in _BUDGET_OF.items()
+            if c.status.startswith(prefix)
+        ]
+
+    def _against(self, memory: str) -> str:
+        used = self.estimate.device_bytes if memory == "device" else self.estimate.host_bytes
+        budget = self.device_budget if memory == "device" else self.host_budget
+        text = f"{memory} {format_bytes(used or 0)}"
+        return text if budget is None else f"{text} of {format_bytes(budget)}"
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain values (the strategy by its name), for JSON."""
@@ -71,6 +123,9 @@ class FitResult:
             "compiles": self.compiles,
             "seconds_searching": self.seconds_searching,
             "notes": list(self.notes),
+            "device_budget": self.device_budget,
+            "host_budget": self.host_budget,
+            "binds": list(self.binds),
         }
 
     def table(self, limit: int = 10) -> str:
@@ -101,6 +156,7 @@ class FitResult:
                 f"({self.estimate.seconds * 1e3:.3f} ms predicted{self._traced()}; "
                 f"{self.traces} traces, {self.compiles} compiles, "
                 f"{self.seconds_searching:.1f} s)",
+                f"Budgets: {self.binding()}",
                 *self.notes,
                 format_table(
                     ("plan", "ms", "sim ms", "moved", "device", "host", "status"),
@@ -190,4 +246,6 @@ def result_of(search: Search, notes: list[str], started: float) -> FitResult:
         compiles=search.compiles,
         seconds_searching=time.perf_counter() - started,
         notes=tuple(notes),
+        device_budget=search.budget,
+        host_budget=search.host_limit,
     )

@@ -84,9 +84,7 @@ def _share(policy: Any, wanted: str, layers: int) -> float:
 
 @dataclasses.dataclass
 class Search:
-    # An `ox.filter_jit` step (typed Any: as a class annotation, a Module's `__get__`
-    # would make type checkers read it as a bound method).
-    step: Any
+    step: Any  # `ox.filter_jit` step (Any: type checkers read a Module's `__get__` as a method)
     args: tuple
     kwargs: dict
     target: Target
@@ -110,6 +108,8 @@ class Search:
     # Every compiled plan that fits: its count's key and its estimate (schedule simulated).
     fitting: dict = dataclasses.field(default_factory=dict)  # Choice -> (key, StepEstimate)
     least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
+    # placement -> the least host bytes a compiled plan of it needed beyond `host_bound`
+    host_extra: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def speeds(self) -> Speeds:
@@ -228,7 +228,8 @@ class Search:
         return None
 
     def host_bound(self, choice: Choice) -> int:
-        return self.argument_bytes(choice, "pinned_host") + self.named(choice, "offload")
+        needed = self.argument_bytes(choice, "pinned_host") + self.named(choice, "offload")
+        return needed + self.host_extra.get(choice.placement, 0)
 
     def why_not_compiled(self, choice: Choice) -> str | None:
         """Why a plan is not worth compiling: over a budget by its bound, or out of
@@ -293,6 +294,8 @@ class Search:
                 choice, row(status="does not fit: the compiler ran out of device memory")
             )
         device, host = report.total, report.host_total
+        extra = max(0, host - self.host_bound(choice) + self.host_extra.get(choice.placement, 0))
+        self.host_extra[choice.placement] = min(extra, self.host_extra.get(choice.placement, extra))
         if device > self.budget:
             self.over.setdefault((choice.base, choice.placement), []).append((choice, device))
         if self.least is None or device < self.least[0]:
