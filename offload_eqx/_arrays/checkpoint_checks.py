@@ -40,7 +40,7 @@ EXTRA_LEAVES = (
 # `<name>` once complete. `_METADATA` (each leaf's shape and dtype) follows the arrays.
 PRIVATE = ".offload_eqx-tmp-"
 _UNFINISHED = (".orbax-checkpoint-tmp", PRIVATE)
-_TREE_METADATA = "_METADATA"
+TREE_METADATA = "_METADATA"
 READ_FAILED = "Encountered error while reading array index"  # Orbax's words
 CHECKSUMS = "offload_eqx_checksums.json"
 _NOT_THERE = "{caller}: `{path}` does not exist{why}. {complete}"
@@ -242,7 +242,7 @@ def _is_complete(directory: str) -> bool:
     """Whether a save finished a checkpoint here: renamed from its temporary name, with
     the tree's metadata written (after the arrays)."""
     return not _temporary(os.path.basename(directory)) and os.path.isfile(
-        os.path.join(directory, _TREE_METADATA)
+        os.path.join(directory, TREE_METADATA)
     )
 
 
@@ -284,7 +284,7 @@ def check_complete(caller: str, path: str) -> None:
         reason = "it is the temporary directory of a save that was interrupted"
     elif not os.path.isdir(path):
         reason = "it is a file, not a checkpoint's directory"
-    elif not os.path.isfile(os.path.join(path, _TREE_METADATA)):
+    elif not os.path.isfile(os.path.join(path, TREE_METADATA)):
         reason = _NO_TREE_METADATA
         items = [item for item in _listed(path) if _is_complete(os.path.join(path, item))]
         if items:  # a `CheckpointManager` step holds its items' checkpoints

@@ -7,15 +7,19 @@ its own beside the checkpoint (`<name>.offload_eqx-tmp-<random>`, made by
 `tempfile.mkdtemp`, on the same file system), then renames the finished checkpoint to
 `<name>` in one step: a checkpoint is complete or absent. Of two saves racing for one path
 the first to finish wins; the other finds `<name>` taken, discards its own and raises. A
-save that fails for any reason removes its directory. A path Orbax cannot read back (one
+save that fails for any reason, or whose caller is interrupted, removes its directory
+(once every writer has stopped: `checkpoint_writers`). A path Orbax cannot read back (one
 with `[` or `]`, which it globs) is refused before anything is written.
 """
 
 import contextlib
 import errno
+import gc
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 
 import jax
@@ -37,6 +41,7 @@ _ELSEWHERE = (
     "{caller}: the first process could not rename the finished checkpoint to `{path}` "
     "(its error says why); nothing of this save is left."
 )
+_REMOVE_ATTEMPTS = 12  # about 4.5 s of waiting in all
 _NAME_BYTES = 1024  # room for a directory's name broadcast to the other processes
 
 
@@ -97,11 +102,39 @@ def _published_everywhere(caller: str, written: str, path: str) -> None:
         raise OSError(_ELSEWHERE.format(caller=caller, path=path))
 
 
+def _remove(directory: str) -> None:
+    """Remove `directory`, trying again while it cannot be: a save that failed for too
+    many open files removes it under the same limit, while TensorStore still closes the
+    files of the writes that ended (`shutil.rmtree` opens one for each directory)."""
+    for attempt in range(_REMOVE_ATTEMPTS):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not os.path.lexists(directory):
+            return
+        gc.collect()  # TensorStore's handles of the failed save, released with them
+        time.sleep(0.01 * 2 ** min(attempt, 6))
+
+
+class SaveAbandoned(Exception):
+    """The caller of a save was interrupted (Ctrl-C, `sys.exit` from a signal handler):
+    the save stops before publishing, and the caller raises its interrupt instead."""
+
+
+def check_not_abandoned(abandoned: threading.Event | None) -> None:
+    """Stop a save whose caller was interrupted, at a step where nothing is under way.
+    In a run of several processes the save goes on: every process must reach the same
+    barriers, and one stopping alone would leave the others waiting."""
+    if abandoned is not None and abandoned.is_set() and jax.process_count() == 1:
+        raise SaveAbandoned()
+
+
 @contextlib.contextmanager
-def private_checkpoint(caller: str, path: str) -> Iterator[str]:
+def private_checkpoint(
+    caller: str, path: str, abandoned: threading.Event | None = None
+) -> Iterator[str]:
     """The directory to write the checkpoint for `path` into, renamed to `path` when the
-    block ends normally; on any error (or a lost race: `FileExistsError`) it is removed
-    and nothing is left. Its parent (`path`'s) is made first, as Orbax makes it."""
+    block ends normally (unless `abandoned` is set); on any error (or a lost race:
+    `FileExistsError`) it is removed and nothing is left. Its parent (`path`'s) is made
+    first, as Orbax makes it."""
     parent, name = os.path.split(path)
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(_UNDER_A_FILE.format(caller=caller, path=path, parent=parent))
@@ -110,10 +143,11 @@ def private_checkpoint(caller: str, path: str) -> Iterator[str]:
     try:
         written = os.path.join(private, name)
         yield written
+        check_not_abandoned(abandoned)
         _published_everywhere(caller, written, path)
     finally:
         if jax.process_index() == 0:
-            shutil.rmtree(private, ignore_errors=True)
+            _remove(private)
 
 
 _BRACKETS = (

@@ -6,51 +6,47 @@ restored without passing through it. Every restore asks the plan where each leaf
 leaf by leaf into each leaf's planned sharding; `ox.restore_checkpoint` gives Orbax the
 planned shardings as its restore target (Orbax does the I/O, `ox.save_checkpoint` too).
 Both compare what is stored with `like` first and name the first leaf that differs, and
-type each restored array by its memory. A save refuses what could not be restored before
-writing anything, writes privately and renames (`checkpoint_writes`): a checkpoint is
+type each restored array by its memory (`checkpoint_reads`). A save refuses what could
+not be restored before writing anything, writes privately and renames
+(`checkpoint_writes`), each write in a thread of its own, whose writers have all stopped
+before an error or an interrupt reaches the caller (`checkpoint_writers`): a checkpoint is
 complete or absent. Orbax keeps no checksum: `ox.save_checkpoint` writes one for each
 array beside Orbax's files, and `ox.restore_checkpoint` checks it. A path that is no
 complete checkpoint, or one that is damaged, is an error naming it and the complete
 checkpoints beside it.
 """
 
-import contextlib
-import functools
 import os
-from collections.abc import Iterator
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from .._declare.strategy import Strategy
-from .._plan.walk import format_path, is_array_leaf
+from .._plan.walk import is_array_leaf
 from .._sharding.mesh import AnyMesh
 from .checkpoint_checks import (
-    DATA_DAMAGED,
-    DIFFERENT_LEAF,
-    EXTRA_LEAVES,
-    METADATA_DAMAGED,
-    MISSING_LEAF,
-    READ_FAILED,
     check_absent,
     check_complete,
     check_savable,
     check_unique_names,
-    complete_beside,
-    describe,
-    has_elements,
-    is_key,
-    key_of,
-    read_checksums,
     verify_checksums,
     write_checksums,
 )
 from .checkpoint_files import tree_deserialise_leaves
-from .checkpoint_writes import check_no_brackets, private_checkpoint
-from .place import abstract, check_not_deleted, match_type
+from .checkpoint_reads import (
+    check_stored,
+    completed,
+    opened_checkpointer,
+    orbax_target,
+    records_for,
+    restored_from,
+)
+from .checkpoint_writers import in_background, orbax_write, raise_named, write_to_the_end
+from .checkpoint_writes import check_no_brackets, check_not_abandoned, private_checkpoint
+from .place import abstract, check_not_deleted
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "tree_deserialise_leaves"]
 
@@ -72,148 +68,33 @@ def _orbax(caller: str) -> Any:
     return ocp
 
 
-def _by_key(tree: Any) -> dict[tuple[str, ...], Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {tuple(key_of(k) for k in keys): leaf for keys, leaf in leaves}
+def _save(caller: str, ocp: Any, path: str, tree: Any, checkpointer: Any) -> None:
+    """Every write of the save in a thread of its own (`write_to_the_end`), into a
+    private directory renamed to `path` once complete; an error, once every writer has
+    stopped and nothing is left, as `raise_named` names it."""
+    arrays = eqx.filter(tree, eqx.is_array)
 
+    def write(abandoned: threading.Event) -> None:
+        with private_checkpoint(caller, path, abandoned) as written:
+            check_not_abandoned(abandoned)
+            orbax_write(ocp, written, arrays, checkpointer)
+            check_not_abandoned(abandoned)
+            if jax.process_index() == 0:
+                write_checksums(written, arrays)
 
-def _as_stored(leaf: Any) -> tuple[tuple[int, ...], str]:
-    """The shape and dtype Orbax records for a leaf: a key array's are its key data's."""
-    if is_key(leaf.dtype):
-        leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    return tuple(leaf.shape), str(leaf.dtype)
-
-
-def _check_stored(caller: str, stored: Any, target: Any, records: dict | None) -> None:
-    """`like` (as `target`) and the checkpoint hold the same leaves, shapes and dtypes;
-    else a `ValueError` naming the first leaf of `like` that differs. Orbax's metadata
-    says what it stored; `records` (what `ox.save_checkpoint` wrote beside it, when read)
-    tells a key from its key data, and holds the arrays without elements Orbax cannot."""
-    have = _by_key(stored)
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        path = format_path("like", keys)
-        key = tuple(key_of(k) for k in keys)
-        meta, record = have.pop(key, None), (records or {}).get(key)
-        if meta is None and (has_elements(leaf) or (records is not None and record is None)):
-            raise ValueError(MISSING_LEAF.format(caller=caller, path=path, hint=""))
-        wanted = (tuple(leaf.shape), str(leaf.dtype))
-        if record is not None and (tuple(record["shape"]), record["dtype"]) != wanted:
-            stored_as = describe(record["shape"], record["dtype"])
-        elif meta is not None and (tuple(meta.shape), str(meta.dtype)) != _as_stored(leaf):
-            stored_as = describe(meta.shape, meta.dtype)
-        else:
-            continue
-        raise ValueError(
-            DIFFERENT_LEAF.format(
-                caller=caller,
-                path=path,
-                stored=stored_as,
-                wanted=describe(leaf.shape, leaf.dtype),
-            )
-        )
-    if have:
-        first = "/".join(sorted(have)[0])
-        raise ValueError(
-            EXTRA_LEAVES.format(caller=caller, what=f"{len(have)} leaves (first: `{first}`)")
-        )
-
-
-def _kept_as_numpy(leaf: Any) -> bool:
-    """A NumPy leaf of `like` whose dtype JAX does not hold (float64 while
-    `jax_enable_x64` is off): restored as the NumPy array it was saved as, not cut down
-    to a JAX array of another dtype."""
-    if not isinstance(leaf, (np.ndarray, np.generic)):
-        return False
-    return jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype
-
-
-def _orbax_target(planned: Any, like: Any) -> Any:
-    """What Orbax restores into: each planned leaf with elements (`ox.abstract`'s
-    `ShapeDtypeStruct`, its memory and sharding), or the NumPy array `like` holds where
-    it is kept as NumPy; None for a leaf without elements, which Orbax did not store."""
-
-    def one(sharded: Any, leaf: Any) -> Any:
-        if sharded is None or not has_elements(sharded):
-            return None
-        return np.asarray(leaf) if _kept_as_numpy(leaf) else sharded
-
-    like = eqx.filter(like, is_array_leaf)
-    return jax.tree.map(one, planned, like, is_leaf=lambda x: x is None)
-
-
-def _completed(planned: Any, restored: Any, like: Any) -> Any:
-    """A restored leaf typed by its memory (Orbax types a single-device `pinned_host`
-    array as device memory); one without elements, which nothing stored, made where the
-    plan puts it."""
-    if planned is None or has_elements(planned):
-        if isinstance(like, np.generic) and isinstance(restored, np.ndarray):
-            return restored[()]  # a NumPy scalar, as it was saved
-        return match_type(restored)
-    if _kept_as_numpy(like):
-        return np.zeros(planned.shape, planned.dtype)
-    zeros = functools.partial(jnp.zeros, planned.shape, planned.dtype)
-    return match_type(jax.jit(zeros, out_shardings=planned.sharding)())
-
-
-def _stored_tree(caller: str, path: str, checkpointer: Any) -> Any:
-    """The checkpoint's metadata tree (each leaf's shape and dtype), or a `ValueError`
-    saying the checkpoint is damaged: Orbax logs why it could not read it and gives None."""
     try:
-        metadata = checkpointer.metadata(path).item_metadata
+        write_to_the_end(write)
     except Exception as error:
-        cause = f" ({type(error).__name__}: {error})"
-        raise ValueError(
-            METADATA_DAMAGED.format(
-                caller=caller, path=path, cause=cause, complete=complete_beside(path)
-            )
-        ) from error
-    if metadata is None:
-        raise ValueError(
-            METADATA_DAMAGED.format(
-                caller=caller, path=path, cause="", complete=complete_beside(path)
-            )
-        )
-    return metadata.tree
-
-
-def _failed_leaf(error: BaseException, target: Any) -> str:
-    """The leaf whose read failed: Orbax's error quotes the TensorStore spec of the array,
-    whose key is the leaf's path joined with dots (`0.layers.w1/`)."""
-    text = str(error)
-    for keys, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
-        if f"'path': '{'.'.join(key_of(k) for k in keys)}/'" in text:
-            return f"`{format_path('like', keys)}`"
-    return "an array"
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0]
-
-
-@contextlib.contextmanager
-def _checkpointer(ocp: Any, given: Any) -> Iterator[Any]:
-    """`given`, untouched; or a `StandardCheckpointer` of our own, closed on the way out.
-    It creates the checkpoint's directory before starting its threads: created in the
-    background (Orbax's default), a directory that cannot be made leaves threads waiting
-    for it for 20 minutes, and the process does not exit."""
-    if given is not None:
-        yield given
-        return
-    checkpointer = ocp.StandardCheckpointer(
-        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)
-    )
-    try:
-        yield checkpointer
-    except BaseException:
-        with contextlib.suppress(Exception):  # the error being raised says more
-            checkpointer.close()
+        raise_named(caller, path, tree, error)
         raise
-    checkpointer.close()
 
 
-def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
+def save_checkpoint(
+    path: Any, tree: Any, *, checkpointer: Any = None, wait: bool = True
+) -> "Future[None] | None":
     """Save the arrays of `tree` (a model, an optimizer state, a tuple of them) with
-    Orbax, wherever they live; waits until the checkpoint is written.
+    Orbax, wherever they live; waits until the checkpoint is written (or, with
+    `wait=False`, until the arrays are copied).
 
     **Arguments:**
 
@@ -229,19 +110,32 @@ def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
     - `checkpointer`: by default an `orbax.checkpoint.StandardCheckpointer`, closed when
         the save ends (or fails: its threads would keep the process alive). One you pass
         is used and left open.
+    - `wait`: with `False`, the save copies every array into host memory (device arrays
+        to `pinned_host`: no device memory is taken; host arrays within host memory, so
+        the state needs room for a second copy there), returns once the copies are made,
+        and writes them in a thread of its own. A step may then donate `tree` at once:
+        this is how to checkpoint while training goes on. It returns a
+        `concurrent.futures.Future`, whose `.result()` waits for the checkpoint and
+        raises what the save raised; the process does not exit before the save ends.
+        Not in a run of several processes.
 
     A checkpoint is complete or absent. The save writes into a directory of its own
     beside `path` (`<name>.offload_eqx-tmp-<random>`), and renames the finished
     checkpoint to `path` in one step; a save that fails, for any reason, removes it and
-    leaves nothing. Of two saves racing for one path (two threads, two processes), the
-    first to finish wins and its checkpoint is kept whole; the other raises
-    `FileExistsError` naming the path and leaves nothing.
+    leaves nothing. Every write runs in a thread of its own, and the error (or a Ctrl-C,
+    or `sys.exit` from a SIGTERM handler, while the save runs) reaches the caller once
+    every writer of Orbax and TensorStore has stopped and the directory is removed: a
+    Ctrl-C waits for the writes already under way. Of two saves racing for one path (two
+    threads, two processes), the first to finish wins and its checkpoint is kept whole;
+    the other raises `FileExistsError` naming the path and leaves nothing.
 
     Beside Orbax's files the checkpoint gets `offload_eqx_checksums.json`: each array's
     shape, dtype and CRC32, which `restore_checkpoint` checks. Each array is copied to
     host memory to be hashed, one at a time (never to the device). In a run of several
     processes the first process writes it, and an array spread over the devices of
     several processes has no checksum.
+
+    **Returns:** None; with `wait=False`, the `Future` of the save.
 
     **Raises:**
 
@@ -251,8 +145,12 @@ def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
         processes) an array on one process's devices only; `FileExistsError` when `path`
         exists; `NotADirectoryError` or `PermissionError` when its directory cannot be
         made.
-    - `FileExistsError` naming `path` when another save finished it first, once this
-        one's directory is removed.
+    - Once nothing is left: `FileExistsError` naming `path` when another save finished
+        it first; `OSError` naming `path` and what to do, with the error chained, when
+        the disk is full (`errno.ENOSPC`, or `EDQUOT`: Orbax's own errors were a bare
+        `OSError` or TensorStore's `ValueError`) or the process has too many open files
+        (`EMFILE`); `ValueError` naming the first leaf deleted while the save read it (a
+        step in another thread donated it).
     """
     caller = "ox.save_checkpoint"
     check_not_deleted(tree, "tree", caller, _SAVE_OUTPUTS)
@@ -262,13 +160,12 @@ def save_checkpoint(path: Any, tree: Any, *, checkpointer: Any = None) -> None:
     path = os.path.realpath(path)
     check_no_brackets(caller, path)
     check_absent(caller, path)
-    arrays = eqx.filter(tree, eqx.is_array)
-    with private_checkpoint(caller, path) as written:
-        with _checkpointer(ocp, checkpointer) as opened:
-            opened.save(written, eqx.filter(arrays, has_elements))  # Orbax refuses empty ones
-            opened.wait_until_finished()
-        if jax.process_index() == 0:
-            write_checksums(written, arrays)
+    if not wait:
+        return in_background(
+            caller, tree, lambda copy: _save(caller, ocp, path, copy, checkpointer)
+        )
+    _save(caller, ocp, path, tree, checkpointer)
+    return None
 
 
 def restore_checkpoint(
@@ -301,6 +198,10 @@ def restore_checkpoint(
         be hashed, where it lives; `verify=False` skips this. A checkpoint without the
         file (written by Orbax directly) is restored without verification, and so is an
         array that this process does not hold whole (spread over several processes).
+        The shapes and dtypes compared with `like` come from this file and Orbax's
+        `_METADATA` (the names of the arrays stored), also with `verify=False` when the
+        file can be read: Orbax's own metadata, which opens every array, is read only
+        for a checkpoint without them.
 
     **Returns:** a tree like `like`, its arrays read from the checkpoint into planned
     memory (and shards), each typed by its memory (`f32<host>[...]` in `pinned_host`:
@@ -328,27 +229,11 @@ def restore_checkpoint(
     check_complete(caller, path)
     check_no_brackets(caller, path, restoring=True)
     planned = eqx.filter(abstract(like, strategy, mesh=mesh), is_array_leaf)
-    records = read_checksums(caller, path) if verify else None
-    with _checkpointer(ocp, checkpointer) as opened:
-        _check_stored(caller, _stored_tree(caller, path, opened), planned, records)
-        target = _orbax_target(planned, like)
-        try:
-            restored = opened.restore(path, target)
-        except Exception as error:
-            if READ_FAILED not in str(error):
-                raise
-            cause = _first_line(error.__cause__ or error)
-            raise ValueError(  # TensorStore's spec of the array, a page long, says no more
-                DATA_DAMAGED.format(
-                    caller=caller,
-                    path=path,
-                    leaf=_failed_leaf(error, target),
-                    cause=cause,
-                    complete=complete_beside(path),
-                )
-            ) from None
-    like_arrays = eqx.filter(like, is_array_leaf)
-    restored = jax.tree.map(_completed, planned, restored, like_arrays, is_leaf=lambda x: x is None)
-    if records is not None:
+    records = records_for(caller, path, verify)
+    with opened_checkpointer(ocp, checkpointer) as opened:
+        check_stored(caller, path, opened, planned, records)
+        restored = restored_from(caller, path, opened, orbax_target(planned, like))
+    restored = completed(planned, restored, like)
+    if verify and records is not None:
         verify_checksums(caller, path, restored, records)
     return eqx.combine(restored, eqx.filter(like, is_array_leaf, inverse=True))
