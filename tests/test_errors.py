@@ -218,7 +218,9 @@ def test_wrong_optimizer_state():
 
 def test_annotate_needs_something_and_a_whole_field():
     model = scanned_model(jax.random.key(0))
-    with pytest.raises(ValueError, match=r"neither `memory=` nor `activations=`"):
+    with pytest.raises(
+        ValueError, match=r"none of `memory=`, `activations=`, `inputs=` or `outputs=`"
+    ):
         ox.annotate(model, lambda m: m.layers)
     stacked = {"a": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"not a field of a module"):
