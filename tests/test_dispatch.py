@@ -325,3 +325,37 @@ def test_a_step_that_donates_nothing_keeps_nothing():
     step = ox.filter_jit(lambda m, x: jax.vmap(m)(x))
     step(_mlp(), jnp.ones((3, 4)))
     assert step.last_outputs is None
+
+
+def test_a_structure_called_again_takes_the_fast_path_and_leaves_it_when_it_must():
+    """The second call of a structure runs its entry without building the key; new
+    static leaves, new shapes and a new memory still take the whole path (issue 50,
+    item 10)."""
+    calls = []
+
+    def forward(model, x):
+        calls.append(1)  # counts traces
+        return model(x)
+
+    step = ox.filter_jit(forward)
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    x = jnp.ones(4)
+    expected = model(x)
+    np.testing.assert_allclose(step(model, x), expected, rtol=1e-6)
+    fast = step.cache.fast
+    assert len(fast) == 1
+    np.testing.assert_allclose(step(model, x), expected, rtol=1e-6)
+    assert len(calls) == 1
+    other = eqx.tree_at(lambda m: m.activation, model, jax.nn.tanh)  # a new static leaf
+    np.testing.assert_allclose(step(other, x), other(x), rtol=1e-6)
+    assert len(calls) == 2
+    np.testing.assert_allclose(step(model, x), expected, rtol=1e-6)  # the first again
+    assert len(calls) == 2
+    y = x * 2.0
+    np.testing.assert_allclose(step(model, y), model(y), rtol=1e-6)
+    assert len(calls) == 2  # new values, same types: no retrace
+    half = jnp.ones(4, jnp.bfloat16)  # a new dtype: traced again, through the whole path
+    np.testing.assert_allclose(step(model, half), model(half), rtol=1e-2)
+    assert len(calls) == 3
+    np.testing.assert_allclose(step(model, y), model(y), rtol=1e-6)
+    assert len(calls) == 3

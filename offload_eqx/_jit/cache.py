@@ -35,6 +35,12 @@ class Cache:
     def __init__(self):
         # key -> its entry, or, once several types were seen, {types: entry}
         self.entries: dict[Any, Any] = {}
+        # The per-call fast path (`dispatch._fast_call`): for a structure (treedef) called
+        # before, the positions of its array leaves, its static leaves by position (the
+        # very objects), and the entry that ran: a call whose leaves match runs it
+        # without building the key. Only for entries that donate nothing and cannot
+        # raise at run time.
+        self.fast: dict[Any, tuple] = {}
         # The outputs of the latest call that donated its inputs (see `last_outputs`):
         # the tree, or `_Weakly` held.
         self._last_outputs: Any = None
@@ -148,6 +154,7 @@ def clear_caches() -> None:
     call."""
     for cache in list(_ALL):
         cache.entries.clear()
+        cache.fast.clear()
         cache.compiled_by.clear()
         cache.keep_outputs(None)
     _BY_FUNCTION.clear()

@@ -2,10 +2,12 @@
 
 Per call the wrapper flattens its function and arguments once, classifies each leaf by
 type, looks the static part up in its cache and calls a `jax.jit` whose arguments are the
-array leaves themselves. When the call fails, the arguments are examined for the cause
-(moved to their planned memory, a transfer guard, a donated buffer, several devices) and
-the error names leaf paths. A call that donates its inputs keeps its outputs reachable
-until they are returned, even through Ctrl-C.
+array leaves themselves. A structure called before, with the very static leaves of that
+call and concrete arrays, skips the classification and the key (`_fast_call`: for
+programs that donate nothing and cannot raise at run time). When the call fails, the
+arguments are examined for the cause (moved to their planned memory, a transfer guard, a
+donated buffer, several devices) and the error names leaf paths. A call that donates its
+inputs keeps its outputs reachable until they are returned, even through Ctrl-C.
 """
 
 import contextlib
@@ -58,6 +60,10 @@ def _kind(leaf: Any) -> str:
     return _ARRAY if isinstance(leaf, ARRAY_TYPES) else _STATIC
 
 
+# JAX's flatten without `jax.tree_util.tree_flatten`'s Python frame.
+_flatten = jax.tree_util.default_registry.flatten
+
+
 def bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if kwargs and signature is not None:
         bound = signature.bind(*args, **kwargs)
@@ -70,6 +76,13 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
         if _get(self, "audit"):
             with no_implicit_transfers(self.arguments(*args, **kwargs)):
                 return _dispatch(self, args, kwargs)
+        if not kwargs and not _get(self, "fn_has_arrays"):
+            leaves, treedef = _flatten((args, kwargs))
+            hit = _get(self, "cache").fast.get(treedef)
+            if hit is not None:
+                out = _fast_call(self, hit, leaves, args)
+                if out is not _MISSED:
+                    return out
         return _dispatch(self, args, kwargs)
     except (ValueError, RuntimeError, TypeError, Misplaced) as error:
         if isinstance(error, eqx.EquinoxRuntimeError):
@@ -83,6 +96,43 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
         if problem is None:
             raise
         raise problem from None
+
+
+_MISSED = object()
+
+
+def _fast_call(self: Any, hit: tuple, leaves: list, args: tuple) -> Any:
+    """The call of a structure seen before, when its static leaves are the very objects
+    of that call and its array leaves concrete arrays: the entry's program, called. Else
+    (or where the program refuses the arguments before running: new types, another
+    memory) `_MISSED`, and the call takes the whole path, which nothing here changed."""
+    arrays, statics, entry = hit
+    for index, value in statics:
+        if leaves[index] is not value:
+            return _MISSED
+    dynamic = [leaves[i] for i in arrays]
+    for leaf in dynamic:
+        if type(leaf) is not ArrayImpl:
+            return _MISSED
+    try:
+        return entry.rebuild(entry.jitted(*dynamic))
+    except (NewArgumentTypes, Misplaced, ValueError):
+        return _MISSED  # refused before it ran: the whole path moves or compiles
+    except jax.errors.JaxRuntimeError as error:  # as `_execute` says it
+        message = explain(error, self.arguments(*args))
+        if message is None:
+            raise
+        raise ImplicitTransferError(message) from None
+
+
+def _remember_fast(self: Any, key: tuple, entry: Any) -> None:
+    """Let the next call of this structure take `_fast_call` (see `Cache.fast`)."""
+    if entry.donate_argnums or entry.checks or _get(self, "fn_has_arrays"):
+        return
+    treedef, mask, statics = key
+    arrays = tuple(i for i, is_array in enumerate(mask) if is_array)
+    positions = [i for i, is_array in enumerate(mask) if not is_array]
+    _get(self, "cache").fast[treedef] = (arrays, tuple(zip(positions, statics)), entry)
 
 
 def _deleted(self: Any, args: tuple, kwargs: dict) -> list[str]:
@@ -148,6 +198,8 @@ def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
         dynamic = entry.moved(dynamic)
     if not entry.donate_argnums:
         entry, flat = _execute(self, entry, key, args, kwargs, dynamic)
+        if not kwargs:
+            _remember_fast(self, key, entry)
         return entry.rebuild(flat)
     deliver_pending()  # a Ctrl-C held during the previous call: now, before donating
     if len(set(map(id, dynamic))) < len(dynamic):
