@@ -76,14 +76,15 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
         if _get(self, "audit"):
             with no_implicit_transfers(self.arguments(*args, **kwargs)):
                 return _dispatch(self, args, kwargs)
+        flat = None
         if not kwargs and not _get(self, "fn_has_arrays"):
-            leaves, treedef = _flatten((args, kwargs))
-            hit = _get(self, "cache").fast.get(treedef)
+            flat = _flatten((args, kwargs))  # the whole path takes it too: one flatten
+            hit = _get(self, "cache").fast.get(flat[1])
             if hit is not None:
-                out = _fast_call(self, hit, leaves, args)
+                out = _fast_call(self, hit, flat[0], args)
                 if out is not _MISSED:
                     return out
-        return _dispatch(self, args, kwargs)
+        return _dispatch(self, args, kwargs, flat)
     except (ValueError, RuntimeError, TypeError, Misplaced) as error:
         if isinstance(error, eqx.EquinoxRuntimeError):
             error.__traceback__ = None  # its message holds the stack inside the step
@@ -145,13 +146,16 @@ def _deleted(self: Any, args: tuple, kwargs: dict) -> list[str]:
     ]
 
 
-def split(self: Any, args: tuple, kwargs: dict) -> tuple[tuple, list, bool]:
+def split(self: Any, args: tuple, kwargs: dict, flat: Any = None) -> tuple[tuple, list, bool]:
     """The cache key of a call (structure, which leaves are arrays, the static leaves),
     its array leaves (arrays, `jax.ShapeDtypeStruct`s or tracers), and whether a leaf is
-    a tracer (a call inside a trace or a transformation)."""
-    args, kwargs = bind(_get(self, "signature"), args, kwargs)
-    tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    a tracer (a call inside a trace or a transformation). `flat`: the call's flattened
+    `(args, kwargs)` when `call` made it already."""
+    if flat is None:
+        args, kwargs = bind(_get(self, "signature"), args, kwargs)
+        tree = (_get(self, "fn"), args, kwargs) if _get(self, "fn_has_arrays") else (args, kwargs)
+        flat = _flatten(tree)
+    leaves, treedef = flat
     dynamic, statics, mask = [], [], []
     traced = False
     for leaf in leaves:
@@ -171,8 +175,8 @@ def split(self: Any, args: tuple, kwargs: dict) -> tuple[tuple, list, bool]:
     return (treedef, tuple(mask), tuple(statics)), dynamic, traced
 
 
-def _dispatch(self: Any, args: tuple, kwargs: dict) -> Any:
-    key, dynamic, traced = split(self, args, kwargs)
+def _dispatch(self: Any, args: tuple, kwargs: dict, flat: Any = None) -> Any:
+    key, dynamic, traced = split(self, args, kwargs, flat)
     if traced:
         return self._inline(args, kwargs, key, dynamic)
     # The key leaves out shapes and dtypes (reading them costs more than the lookup):
