@@ -80,16 +80,14 @@ def with_region(method: Any, boundary: Boundary = Boundary(), region: bool = Tru
         if region and own:
             path = _module_path(self)
             with jax.named_scope(MODULE_SCOPE + path) if path else contextlib.nullcontext():
-                return call_in_region(Call(self, method), args, kwargs, *_names(boundary))
+                return call_in_region(
+                    Call(self, method), args, kwargs, boundary.inputs, boundary.outputs
+                )
         if args and boundary.inputs is not None:
             args = (name_boundary(args[0], boundary.inputs), *args[1:])
         return name_boundary(method(self, *args, **kwargs), boundary.outputs)
 
     return in_region
-
-
-def _names(boundary: Boundary) -> tuple[str | None, str | None]:
-    return boundary.inputs, boundary.outputs
 
 
 def _module_path(module: Any) -> str | None:
@@ -169,8 +167,8 @@ def _annotated_class(
     if region and fields:
         namespace.update({name: with_region(m) for name, m in region_methods(cls).items()})
         namespace[REGION_ATTRIBUTE] = True
-    if boundary:
-        call = region_methods(cls)["__call__"]
+    call = region_methods(cls).get("__call__")
+    if boundary and call is not None:  # no call: its names are never produced (an error)
         namespace["__call__"] = with_region(call, boundary, region)
     # Pickled by what it was made from: the class itself is made here, so pickle cannot
     # find it by name (a copy or a checkpoint of an annotated model would fail).
