@@ -6,7 +6,8 @@ on a noisy 2-core machine mean little; the ratio of two wrappers timed side by s
 So the candidates are timed in rounds: in each round every candidate is timed once
 (interleaved, in an order rotated each round, so drift in the machine's load hits all of
 them alike), each round gives its own ratios, and the report is the median ratio over the
-rounds, beside every round's ratio.
+rounds, beside every round's ratio, and the ratio of each candidate's fastest sample (the
+steadiest on a shared machine: other work only adds time).
 
 Candidates, all computing `model(x)`:
 - `ox.filter_jit(forward)(model, x)`, `eqx.filter_jit(forward)(model, x)`: the model as an
@@ -42,8 +43,8 @@ RATIOS = {
 }
 
 
-def _microseconds_per_call(fn: Callable, args: tuple, calls: int, repeats: int) -> float:
-    """Median over `repeats` of the mean time of `calls` back-to-back calls."""
+def _microseconds_per_call(fn: Callable, args: tuple, calls: int, repeats: int) -> list[float]:
+    """The mean time of `calls` back-to-back calls, `repeats` times."""
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -51,7 +52,7 @@ def _microseconds_per_call(fn: Callable, args: tuple, calls: int, repeats: int) 
             out = fn(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / calls * 1e6)
-    return float(np.median(samples))
+    return samples
 
 
 def candidates() -> dict[str, tuple[Callable, tuple]]:
@@ -91,11 +92,14 @@ def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
         timed[name] = (fn, args)
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
+    fastest = {name: float("inf") for name in names}
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             fn, args = timed[name]
-            times[name].append(_microseconds_per_call(fn, args, calls, repeats))
+            samples = _microseconds_per_call(fn, args, calls, repeats)
+            times[name].append(float(np.median(samples)))
+            fastest[name] = min(fastest[name], *samples)
     ratios: dict[str, list[float] | None] = {
         label: [a / b for a, b in zip(times[top], times[bottom])]
         if top in times and bottom in times
@@ -111,6 +115,13 @@ def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
         "ratios": ratios,
         "median_ratios": {
             label: None if r is None else float(np.median(r)) for label, r in ratios.items()
+        },
+        # The fastest sample of each: other work on the machine only ever adds time, so
+        # the ratio of the fastest is the steadiest estimate of the wrappers' own cost.
+        "fastest_microseconds": fastest,
+        "fastest_ratios": {
+            label: fastest[top] / fastest[bottom] if top in fastest and bottom in fastest else None
+            for label, (top, bottom) in RATIOS.items()
         },
         "failed": failed,
         "versions": {"jax": jax.__version__, "equinox": eqx.__version__},
@@ -130,6 +141,12 @@ def report(result: dict[str, Any]) -> str:
             continue
         each = " ".join(f"{r:>6.2f}" for r in values)
         lines.append(f"{label:<28} {result['median_ratios'][label]:>8.2f}  {each}")
+    fastest = ", ".join(
+        f"{label} {value:.2f}"
+        for label, value in result["fastest_ratios"].items()
+        if value is not None
+    )
+    lines.append(f"ratios of the fastest samples: {fastest}")
     for name, error in result["failed"].items():
         lines.append(f"not timed: {name} failed: {error}")
     return "\n".join(lines)

@@ -359,3 +359,19 @@ def test_a_structure_called_again_takes_the_fast_path_and_leaves_it_when_it_must
     assert len(calls) == 3
     np.testing.assert_allclose(step(model, y), model(y), rtol=1e-6)
     assert len(calls) == 3
+
+
+def test_a_module_as_the_function_takes_the_fast_path_with_its_own_arrays():
+    """`ox.filter_jit(model)(x)`: the function's arrays are leaves of the fast path's
+    structure, so two models of one structure share a program and each call reads its
+    own model's arrays."""
+    first = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    second = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(1))
+    x = jnp.ones(4)
+    one, two = ox.filter_jit(first), ox.filter_jit(second)
+    for _ in range(3):  # the first call of each compiles or finds the entry; then fast
+        np.testing.assert_allclose(one(x), first(x), rtol=1e-6)
+        np.testing.assert_allclose(two(x), second(x), rtol=1e-6)
+    assert len(one.cache.fast) == 1
+    assert one.compilations == 1
+    assert not np.allclose(one(x), two(x))

@@ -35,11 +35,12 @@ class Cache:
     def __init__(self):
         # key -> its entry, or, once several types were seen, {types: entry}
         self.entries: dict[Any, Any] = {}
-        # The per-call fast path (`dispatch._fast_call`): for a structure (treedef) called
-        # before, the positions of its array leaves, its static leaves by position (the
-        # very objects), and the entry that ran: a call whose leaves match runs it
-        # without building the key. Only for entries that donate nothing and cannot
-        # raise at run time.
+        # The per-call fast path (`dispatch.call`): for a structure (the treedef of
+        # the positional arguments, with the function where it holds arrays) called
+        # before, how to pick its array leaves and its static leaves (the very objects
+        # of that call), its program and how to rebuild the outputs: a call whose
+        # leaves match runs it without building the key. Only for entries that donate
+        # nothing and cannot raise at run time.
         self.fast: dict[Any, tuple] = {}
         # The outputs of the latest call that donated its inputs (see `last_outputs`):
         # the tree, or `_Weakly` held.

@@ -3,7 +3,7 @@
 Per call the wrapper flattens its function and arguments once, classifies each leaf by
 type, looks the static part up in its cache and calls a `jax.jit` whose arguments are the
 array leaves themselves. A structure called before, with the very static leaves of that
-call and concrete arrays, skips the classification and the key (`_fast_call`: for
+call and concrete arrays, skips the classification and the key (the fast path: for
 programs that donate nothing and cannot raise at run time). When the call fails, the
 arguments are examined for the cause (moved to their planned memory, a transfer guard, a
 donated buffer, several devices) and the error names leaf paths. A call that donates its
@@ -13,6 +13,7 @@ inputs keeps its outputs reachable until they are returned, even through Ctrl-C.
 import contextlib
 import warnings
 from collections.abc import Iterator
+from operator import is_, itemgetter
 from typing import Any
 
 import equinox as eqx
@@ -71,20 +72,32 @@ def bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def call(self: Any, args: tuple, kwargs: dict) -> Any:
+def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """`FilterJit.__call__` itself (one Python frame a call)."""
     try:
-        if _get(self, "audit"):
-            with no_implicit_transfers(self.arguments(*args, **kwargs)):
-                return _dispatch(self, args, kwargs)
-        flat = None
-        if not kwargs and not _get(self, "fn_has_arrays"):
-            flat = _flatten((args, kwargs))  # the whole path takes it too: one flatten
-            hit = _get(self, "cache").fast.get(flat[1])
-            if hit is not None:
-                out = _fast_call(self, hit, flat[0], args)
-                if out is not _MISSED:
-                    return out
-        return _dispatch(self, args, kwargs, flat)
+        if kwargs or _get(self, "audit"):
+            return _dispatch_whole(self, args, kwargs)
+        # The fast path: a structure called before, with the very static leaves of that
+        # call and concrete arrays, runs its program (`Cache.fast`). Every test runs in
+        # C (`map`, `itemgetter`) and nothing else is called: the wrapper's own cost is
+        # these lines. Anything it cannot take goes the whole path before the program
+        # runs, with this flatten.
+        fn_has_arrays = _get(self, "fn_has_arrays")
+        leaves, treedef = _flatten((_get(self, "fn"), args) if fn_has_arrays else args)
+        hit = _get(self, "cache").fast.get(treedef)
+        if hit is not None:
+            pick_arrays, pick_statics, statics, jitted, rebuild = hit
+            if all(map(is_, pick_statics(leaves), statics)):
+                dynamic = pick_arrays(leaves)
+                if _CONCRETE.issuperset(map(type, dynamic)):
+                    try:
+                        return rebuild(jitted(*dynamic))
+                    except (NewArgumentTypes, Misplaced, ValueError):
+                        pass  # refused before it ran: the whole path moves or compiles
+                    except jax.errors.JaxRuntimeError as error:  # as `_execute` says it
+                        _explain_transfer(error, self.arguments(*args))
+                        raise
+        return _dispatch(self, args, kwargs, (leaves, _whole_treedef(treedef, fn_has_arrays)))
     except (ValueError, RuntimeError, TypeError, Misplaced) as error:
         if isinstance(error, eqx.EquinoxRuntimeError):
             error.__traceback__ = None  # its message holds the stack inside the step
@@ -99,41 +112,59 @@ def call(self: Any, args: tuple, kwargs: dict) -> Any:
         raise problem from None
 
 
-_MISSED = object()
+def _dispatch_whole(self: Any, args: tuple, kwargs: dict) -> Any:
+    """A call with keyword arguments or under `audit=True`: never the fast path."""
+    if _get(self, "audit"):
+        with no_implicit_transfers(self.arguments(*args, **kwargs)):
+            return _dispatch(self, args, kwargs)
+    return _dispatch(self, args, kwargs)
 
 
-def _fast_call(self: Any, hit: tuple, leaves: list, args: tuple) -> Any:
-    """The call of a structure seen before, when its static leaves are the very objects
-    of that call and its array leaves concrete arrays: the entry's program, called. Else
-    (or where the program refuses the arguments before running: new types, another
-    memory) `_MISSED`, and the call takes the whole path, which nothing here changed."""
-    arrays, statics, entry = hit
-    for index, value in statics:
-        if leaves[index] is not value:
-            return _MISSED
-    dynamic = [leaves[i] for i in arrays]
-    for leaf in dynamic:
-        if type(leaf) is not ArrayImpl:
-            return _MISSED
-    try:
-        return entry.rebuild(entry.jitted(*dynamic))
-    except (NewArgumentTypes, Misplaced, ValueError):
-        return _MISSED  # refused before it ran: the whole path moves or compiles
-    except jax.errors.JaxRuntimeError as error:  # as `_execute` says it
-        message = explain(error, self.arguments(*args))
-        if message is None:
-            raise
+def _explain_transfer(error: Exception, arguments: Any) -> None:
+    """Raise `ImplicitTransferError` naming the leaves when a transfer guard refused
+    the call's arguments; else return, and the caller re-raises `error`."""
+    message = explain(error, arguments)
+    if message is not None:
         raise ImplicitTransferError(message) from None
 
 
+# The fast path flattens `args` (or `(fn, args)`) without the empty keyword dictionary;
+# the whole path's tree is `(args, kwargs)` (or `(fn, args, kwargs)`): their structures,
+# one from the other.
+_NO_KWARGS = jax.tree_util.tree_structure({})
+_CONCRETE = frozenset({ArrayImpl})
+
+
+def _whole_treedef(treedef: Any, fn_has_arrays: bool) -> Any:
+    parts = treedef.children() if fn_has_arrays else [treedef]
+    return jax.tree_util.treedef_tuple((*parts, _NO_KWARGS))
+
+
+def _fast_treedef(whole: Any, fn_has_arrays: bool) -> Any:
+    parts = whole.children()[:-1]  # less the keyword dictionary
+    return jax.tree_util.treedef_tuple(parts) if fn_has_arrays else parts[0]
+
+
+def _picker(indices: tuple[int, ...]) -> Any:
+    """A function of a list giving the tuple of its items at `indices`."""
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda leaves: (leaves[index],)
+    return itemgetter(*indices) if indices else lambda leaves: ()
+
+
 def _remember_fast(self: Any, key: tuple, entry: Any) -> None:
-    """Let the next call of this structure take `_fast_call` (see `Cache.fast`)."""
-    if entry.donate_argnums or entry.checks or _get(self, "fn_has_arrays"):
+    """Let the next call of this structure take the fast path (see `Cache.fast`)."""
+    if entry.donate_argnums or entry.checks:
         return
     treedef, mask, statics = key
     arrays = tuple(i for i, is_array in enumerate(mask) if is_array)
-    positions = [i for i, is_array in enumerate(mask) if not is_array]
-    _get(self, "cache").fast[treedef] = (arrays, tuple(zip(positions, statics)), entry)
+    positions = tuple(i for i, is_array in enumerate(mask) if not is_array)
+    out_treedef, out_static, _ = entry.out_cell
+    one_array = not out_static and out_treedef.num_nodes == out_treedef.num_leaves == 1
+    rebuild = itemgetter(0) if one_array else entry.rebuild
+    hit = (_picker(arrays), _picker(positions), statics, entry.jitted, rebuild)
+    _get(self, "cache").fast[_fast_treedef(treedef, _get(self, "fn_has_arrays"))] = hit
 
 
 def _deleted(self: Any, args: tuple, kwargs: dict) -> list[str]:

@@ -110,8 +110,7 @@ class FilterJit(eqx.Module):
 
     # -- the per-call path: `_call`, a module-level function (see there) ----------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return call(self, args, kwargs)
+    __call__ = call  # the per-call path, a module-level function (see there)
 
     def _inline(self, args: tuple, kwargs: dict, key: tuple, dynamic: list) -> Any:
         """Called with tracers. Under a transformation outside any jit (`jax.grad(step)`,
