@@ -110,12 +110,14 @@ def frugal_memory(step: Any, args: tuple, target: str) -> tuple[int, int]:
     return report.total, report.host_total
 
 
-def plan_one(target: str, config: Config, host_budget: float, batch: int, compiles: int) -> dict:
+def plan_one(
+    target: str, config: Config, host_budget: float, batch: int, compiles: int, delay: int = 1
+) -> dict:
     """`ox.fit` within the device and `host_budget`, and its plan's row; or, where the
     most frugal plan is over a budget, why the model fits under no plan."""
     started = time.perf_counter()
     config = with_attention(config, target) if target != "cpu" else config
-    opt = optimizer()
+    opt = optimizer(delay)
     args = abstract_args(config, batch, opt)
     print(
         f"{config.name} ({config.parameters / 1e9:.1f}B) on {target}, host budget "
@@ -126,7 +128,7 @@ def plan_one(target: str, config: Config, host_budget: float, batch: int, compil
     device, host = frugal_memory(make_step(opt, FRUGAL), args, target)
     print(f"  frugal plan: device {device / GB:.1f} GB, host {host / GB:.1f} GB", flush=True)
     base = {"target": target, "config": config.name, "parameters": config.parameters,
-            "host_budget": host_budget, "batch": batch, "seq": config.seq,
+            "host_budget": host_budget, "batch": batch, "seq": config.seq, "delay": delay,
             "capacity": capacity, "frugal_device": device, "frugal_host": host}  # fmt: skip
     if device > capacity or host > host_budget:
         over = [f"device {device / GB:.1f} GB > {capacity / GB:.1f}"] if device > capacity else []
@@ -218,6 +220,7 @@ def run(
     host_budget: float | None = None,
     configs: list[str] | None = None,
     tag: str = "",
+    delay: int = 1,
 ) -> list[dict]:
     started = time.perf_counter()
     if size == "smoke":
@@ -231,7 +234,7 @@ def run(
         if not target_available(target):
             continue
         for name in names:  # largest first, until one fits
-            row = plan_one(target, CONFIGS[name], budget, batch or BATCH, compiles)
+            row = plan_one(target, CONFIGS[name], budget, batch or BATCH, compiles, delay)
             rows.append(row)
             if row["fits"]:
                 break
@@ -256,9 +259,12 @@ def main() -> None:
     parser.add_argument("--host-budget", type=float, help="bytes (default: per target)")
     parser.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "tiny"])
     parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
+    parser.add_argument(
+        "--delay", type=int, default=1, choices=(0, 1), help="the host update's delay (steps)"
+    )
     args = parser.parse_args()
     size = "smoke" if args.smoke else "default"
-    run(size, args.targets, args.batch, args.host_budget, args.configs, args.tag)
+    run(size, args.targets, args.batch, args.host_budget, args.configs, args.tag, args.delay)
 
 
 if __name__ == "__main__":

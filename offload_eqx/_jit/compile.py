@@ -29,8 +29,8 @@ from .._sharding.host_compute import (
     check_host_compute,
     compiler_options,
     host_computations,
-    host_inline,
     on_host_if_cheap,
+    writes_in_place,
 )
 from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
 from .._sharding.mesh import put, same_place, traced_type
@@ -306,11 +306,11 @@ def compile_entry(
     out_avals = tuple(closed.out_avals)
     host_update = bool(set(host_computations(closed)) & set(HOST_UPDATE))
     donation = (donate, out_treedef, out_mask, out_avals, keep_root, host_update)
-    donated = plan.donated(*donation, host_inline=host_inline(platform))
+    donated = plan.donated(*donation, host_in_place=writes_in_place(closed, platform))
     if donated and not donate_on_error:
         donated = _unless_it_can_raise(closed, donated, caller)
     # What a target whose host computation is a call of its own (XLA:GPU) does not donate.
-    host_donated = tuple(sorted(set(donated) - set(plan.donated(*donation, host_inline=False))))
+    host_donated = tuple(sorted(set(donated) - set(plan.donated(*donation, host_in_place=False))))
     # Off a mesh, a program that places values on devices itself gets jit's placement
     # for its device arguments and results (None), as under `jax.jit`.
     to_jit = plan.mesh is None and places_on_devices(closed)

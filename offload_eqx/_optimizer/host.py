@@ -15,6 +15,13 @@ Its results are host-typed: the new state stays, and `ox.apply_updates` (called 
 them on the host for parameters in host memory (`apply_on_host`), so that with
 host-resident parameters nothing but the gradients crosses the link.
 
+Where the host computation is a call of its own (XLA:GPU), an undelayed update is split
+into one call per parameter, chained (`on_host(split=True)`), and the state is donated:
+each call's results are copied into the state's buffers, so the host holds the state once
+plus one parameter's results, where one call for everything held every result beside the
+state (two copies). A global transform (`clip_by_global_norm`) reads every gradient for
+every result, and the update stays one call; so does a delayed one (see `_split_calls`).
+
 Global transforms run on the host with the rest: their reductions read every gradient
 once, which costs the host's memory bandwidth, against keeping every gradient on the
 device until the norm is known (and fetching the state to the device anyway).
@@ -26,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._sharding.host_compute import on_host
+from .._sharding.host_compute import host_inline, on_host, traced_platform
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
 from .delayed import Delayed, as_pending, delayed_tx, when_ready, zeros
 from .masters import value_writer
@@ -43,6 +50,17 @@ from .state import (
     shapes,
     trainable,
 )
+
+
+def _split_calls(delayed: bool) -> bool:
+    """Whether the update is one host computation per parameter (`on_host(split=True)`):
+    where the host computation is a call of its own (XLA:GPU), so that the state is
+    written into its donated buffers with one parameter's results held at a time. Not
+    for a delayed update: XLA:GPU's latency-hiding scheduler, which lets it overlap the
+    step (`compiler_options`), copies every result into the state after the last call,
+    so all of them are held at once anyway (the experiments' tiny decoder, h100: 2.08 MiB
+    of host temporaries for 2.08 MiB of state; undelayed, 0.45 MiB)."""
+    return not delayed and not host_inline(traced_platform())
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
@@ -177,6 +195,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
+            split=_split_calls(delayed_tx(self.inner) is not None),
             name=self._name("optimizer update"),
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
         )
@@ -237,6 +256,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
+            split=_split_calls(delayed_tx(self.inner) is not None),
             name=self._name("optimizer update and apply"),
             labels=(
                 ("gradient", "grads"),

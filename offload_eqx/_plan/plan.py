@@ -225,7 +225,7 @@ class Plan:
         out_avals,
         keep_root,
         host_update: bool = False,
-        host_inline: bool = False,
+        host_in_place: bool = False,
     ) -> tuple:
         """The argument leaves to donate: under any `donate` but `"none"` (`"all"`,
         `"warn"`, ...) each leaf the step returns a new value of, in the same memory (the
@@ -235,13 +235,15 @@ class Plan:
         argument that is a bare array (a batch, a loss scale) is never donated, even when
         an output has its shape: nothing says the output is its new value.
 
-        With `host_update` (the optimizer state updated on the host), where the host
-        computation is inlined (`host_inline`: XLA:CPU) the state in host memory is
-        donated and written in place (fresh buffers, a page fault per 4 KiB each step,
-        made a 50M-parameter update 3-5x slower). Where it is a host call of its own
-        (XLA:GPU) no host-memory argument is donated: the call's results get buffers of
-        their own, copied into donated ones afterwards (8 x 1024^2 with Adam, delayed,
-        h100: four 32 MiB copies, 6.89 ms a step simulated against 3.05), saving nothing."""
+        With `host_update` (the optimizer state updated on the host), the state in
+        host memory is donated where the update writes it in place (`host_in_place`):
+        XLA:CPU inlines the host computation (fresh buffers, a page fault per 4 KiB each
+        step, made a 50M-parameter update 3-5x slower), and on XLA:GPU an update split
+        into chained calls (`on_host(split=True)`) holds one group's results as
+        temporaries at a time. A host update XLA:GPU runs as one call is not donated:
+        its results get buffers of their own, copied into donated ones afterwards (8 x
+        1024^2 with Adam, delayed, h100: four 32 MiB copies, 6.89 ms a step simulated
+        against 3.05), saving nothing."""
         if donate == "none":
             return ()
         news = self.output_arguments(
@@ -253,7 +255,7 @@ class Plan:
             if leaf is None or leaf.uploaded or leaf.root == keep_root:
                 continue
             host = getattr(leaf.sharding, "memory_kind", None) == "pinned_host"
-            if host and host_update and not host_inline:
+            if host and host_update and not host_in_place:
                 continue
             if host == is_host_aval(aval):  # else the output cannot reuse its buffer
                 donated.add(index[id(leaf)])

@@ -39,6 +39,7 @@ import numpy as np
 from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
 from jax.core import ShapedArray, Tracer, eval_jaxpr
 
+from .host_split import group_program, result_groups
 from .memory_space import is_host_typed, labelled, to_host
 
 try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
@@ -126,6 +127,17 @@ def host_inline(platform: str) -> bool:
     into donated arguments in place. XLA:GPU runs it as a host call of its own, whose
     results get buffers of their own."""
     return platform == "cpu"
+
+
+def writes_in_place(jaxpr: Any, platform: str) -> bool:
+    """Whether the host update of a traced step can write the state into its donated
+    arguments on `platform` without holding a second copy: inlined (XLA:CPU), or split
+    into chained calls (`on_host(split=True)`: one update's name on several host
+    computations), each of whose temporaries is one group's."""
+    if host_inline(platform):
+        return True
+    names = [name for name in host_computations(jaxpr) if name in HOST_UPDATE]
+    return any(names.count(name) > 1 for name in set(names))
 
 
 def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
@@ -218,9 +230,14 @@ def on_host(
     flatten: bool = True,
     name: str = "host computation",
     labels: tuple[tuple[str, str], ...] = (),
+    split: bool = False,
 ) -> Any:
     """`fn(*args)` computed on the host; every array result is host-typed, and Python
     values among the results (an optimizer state's int or string) come back as they are.
+
+    With `split`, the computation is one call per group of results that read the same
+    large operands, each call after the one before (`host_split`): what lets XLA:GPU
+    write the results into donated arguments holding one group's temporaries at a time.
 
     `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
     is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
@@ -272,16 +289,43 @@ def on_host(
         jaxpr, consts = _separate_consts(closed)
         consts = [to_host(c) for c in consts]
     with jax.named_scope(f"{NAME_SCOPE}[{name}]"):
-        outs = _COMPUTE_ON.bind(
-            *consts,
-            *sent,
-            jaxpr=jaxpr,
-            compute_type=HOST,
-            out_memory_spaces=tuple(jax.memory.Space.Host for _ in closed.out_avals),
-            compiler_options_json=None,
-        )
+        if split:
+            outs = _chained(jaxpr, [*consts, *sent])
+        else:
+            outs = _bind(jaxpr, [*consts, *sent])
     arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return eqx.combine(arrays, values[0])
+
+
+def _bind(jaxpr: Any, operands: list) -> list:
+    """One host computation of `jaxpr` (closed) on `operands`, its results in host memory."""
+    return _COMPUTE_ON.bind(
+        *operands,
+        jaxpr=jaxpr,
+        compute_type=HOST,
+        out_memory_spaces=tuple(jax.memory.Space.Host for _ in jaxpr.out_avals),
+        compiler_options_json=None,
+    )
+
+
+def _chained(jaxpr: Any, operands: list) -> list:
+    """`jaxpr` as one host computation per group of results (`host_split`), each group's
+    operands held back (`optimization_barrier`) until the group before has its results."""
+    groups = result_groups(jaxpr, len(operands))
+    if len(groups) < 2:
+        return _bind(jaxpr, operands)
+    outs: list = [None] * len(jaxpr.out_avals)
+    before: list = []
+    for group in groups:
+        group = sorted(group)
+        program, used = group_program(jaxpr, group)
+        mine = [x for x, u in zip(operands, used) if u]
+        if before:
+            mine, _ = jax.lax.optimization_barrier((mine, before))
+        before = list(_bind(program, mine))
+        for index, result in zip(group, before):
+            outs[index] = result
+    return outs
 
 
 def _nbytes(x: Any) -> int:

@@ -37,8 +37,8 @@ from .._declare.placement import MEMORIES
 from .._sharding.host_compute import (
     check_host_compute,
     compiler_options,
-    host_inline,
     traced_for,
+    writes_in_place,
 )
 from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
@@ -73,13 +73,14 @@ class Program:
     # callable(out_avals) -> one PartitionSpec per output over `mesh`, or None: the
     # compiler's choice (the output's memory then follows its traced type).
     out_specs: Any = None
-    # Of `donate_argnums`, those donated only where the target inlines the host
-    # computation (`host_inline`): the optimizer state a host update writes in place.
+    # Of `donate_argnums`, those donated only where the target's host update writes in
+    # place (`writes_in_place`): the optimizer state in host memory.
     host_donated: tuple[int, ...] = ()
 
-    def donated_on(self, platform: str) -> tuple[int, ...]:
-        """The arguments donated when compiling for `platform`."""
-        if host_inline(platform):
+    def donated_on(self, platform: str, jaxpr: Any) -> tuple[int, ...]:
+        """The arguments donated when compiling for `platform`, `jaxpr` the step traced
+        for it."""
+        if writes_in_place(jaxpr, platform):
             return self.donate_argnums
         return tuple(i for i in self.donate_argnums if i not in self.host_donated)
 
@@ -156,6 +157,16 @@ def _is_jit_object(fn: Any) -> bool:
     return hasattr(fn, "__wrapped__") and hasattr(fn, "lower") and hasattr(fn, "trace")
 
 
+def _jit_donation(fn: Any) -> tuple[int, ...]:
+    """The arguments a `jax.jit(..., donate_argnums=..., donate_argnames=...)` object
+    donates (names resolved to positions by jit). `jax.jit` says it publicly only once
+    traced (`trace(...).args_info`); tracing a large step again costs seconds, so its
+    options are read (`_jit_info`, private; nothing where a JAX release moves it)."""
+    info = getattr(fn, "_jit_info", None) if _is_jit_object(fn) else None
+    donated = getattr(info, "donate_argnums", ())
+    return tuple(donated) if isinstance(donated, tuple) else ()
+
+
 def _equinox_donation(fn: Any, count: int) -> tuple[int, ...]:
     """The arguments an `eqx.filter_jit(..., donate=...)` object donates: the first
     (`donate_first`) and the others (`donate_rest`), as it runs."""
@@ -176,7 +187,7 @@ def program_of_function(
     """The program of a plain function (or `jax.jit` object), with the memories of its
     arguments and results given by name (`in_memory`, `out_memory`, pytree prefixes)."""
     if not donate_argnums:
-        donate_argnums = _equinox_donation(fn, len(args))
+        donate_argnums = _jit_donation(fn) or _equinox_donation(fn, len(args))
     if _is_jit_object(fn):
         fn = fn.__wrapped__  # compile the function as given; options replace its shardings
     all_leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -324,7 +335,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
 
     def compile_with(out_shardings: list | None) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)
-        donated = program.donated_on(target.platform)
+        donated = program.donated_on(target.platform, traced.jaxpr)
         options: dict[str, Any] = {
             "donate_argnums": donated,
             "keep_unused": bool(donated),  # as the step compiles it (`_jit.compile`)
