@@ -299,6 +299,7 @@ def on_host(
 
 def _bind(jaxpr: Any, operands: list) -> list:
     """One host computation of `jaxpr` (closed) on `operands`, its results in host memory."""
+    assert _COMPUTE_ON is not None  # `on_host` refused to start without it
     return _COMPUTE_ON.bind(
         *operands,
         jaxpr=jaxpr,
