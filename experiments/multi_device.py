@@ -26,6 +26,11 @@ memory per device, the interconnect's busy time and what the compute stream wait
     python experiments/multi_device.py --smoke   # a 4-layer GQA decoder on h100-8
     python experiments/multi_device.py           # the same on h100-8 and tpu-v5p-4
     python experiments/multi_device.py --full    # Llama-2-70B on h100-8 and tpu-v5p-4
+    python experiments/multi_device.py --full --zero-offload 2e12  # the 2 TB node's rows
+
+`--zero-offload HOST_BYTES` plans the ZeRO-Offload recipe of `largest_models.py` instead
+(float32 masters and moments in host memory, the update on the host, delayed and not) on
+h100-8, `ox.fit` within each device's memory and its eighth of the node's host memory.
 """
 
 import os
@@ -46,11 +51,13 @@ import multiprocessing  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _decoder import CONFIGS, Config, abstract_state, make_step, optimizer_for  # noqa: E402
 from _report import RESULTS, format_table, target_available  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from largest_models import FRUGAL, optimizer as zero_offload_optimizer  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
 
@@ -160,6 +167,65 @@ def _fit_row(config: Config, target_name: str, max_compiles: int) -> tuple[dict,
     return row, {"traces": result.traces, "compiles": result.compiles, "table": result.table(8)}
 
 
+def _zero_offload_row(
+    config: Config, target_name: str, max_compiles: int, host_budget: float, delay: int
+) -> tuple[dict, dict]:
+    """The ZeRO-Offload recipe over the node (`largest_models.py`'s: float32 masters and
+    AdamW's moments in host memory, updated on the host, parameters streamed by layer),
+    every leaf sharded FSDP: `ox.fit`'s plan within each device's memory and its share of
+    the node's host memory (`host_budget`, per device)."""
+    devices, target = TARGETS[target_name], ox.TARGETS[target_name]
+    mesh, (model, _, tokens) = sharded_args(config, devices)
+    opt = zero_offload_optimizer(delay)
+    state = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, _spec(x))),
+        eqx.filter_eval_shape(opt.init, model),
+    )
+    name = f"ZeRO-Offload, delay {delay}"
+    step = make_step(opt, FRUGAL, mesh)
+    try:
+        result = ox.fit(
+            step, model, state, tokens, target=target_name, host_budget=int(host_budget),
+            max_compiles=max_compiles,
+        )  # fmt: skip
+    except Exception as error:  # no plan fits, or a compile failed
+        return _failed(name, error), {"error": str(error)}
+    row = _row(f"{name}: {result.strategy.name}", result.estimate, config, target, devices)
+    row["fits"] = row["fits"] and (result.estimate.host_bytes or 0) <= host_budget
+    row["binding"] = result.binding()
+    return row, {"traces": result.traces, "compiles": result.compiles, "table": result.table(8)}
+
+
+def zero_offload(size: str, host_budget: float, tag: str) -> list[dict]:
+    """The ZeRO-Offload rows on h100-8: the update delayed and not, each `ox.fit`'s plan
+    within the devices and `host_budget` bytes of host memory for the node."""
+    config, _, max_compiles, timeout = SIZES[size]
+    target_name = "h100-8"
+    per_device = host_budget / TARGETS[target_name]
+    rows, searches = [], []
+    for delay in (1, 0):
+        start = time.perf_counter()
+        row, search = _guarded(
+            f"ZeRO-Offload, delay {delay}", 2 * timeout, _zero_offload_row,
+            config, target_name, max_compiles, per_device, delay,
+        )  # fmt: skip
+        search["seconds"] = time.perf_counter() - start
+        seconds = search["seconds"]
+        print(f"  {config.name} {target_name} ZeRO-Offload delay {delay}: {seconds:.1f} s")
+        rows.append(row)
+        searches.append(search)
+    result = {"config": config.name, "parameters": config.parameters, "target": target_name,
+              "devices": TARGETS[target_name], "host_budget": host_budget, "rows": rows,
+              "search": {"ZeRO-Offload": searches}}  # fmt: skip
+    print(table([result]))
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"multi_device_zero_offload{tag}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return [result]
+
+
 def _guarded(name: str, timeout: float, function: Any, *args: Any) -> Any:
     """`function(*args)` in a child process (spawned, so it sets up its own eight CPU
     devices), or a row saying it did not finish within `timeout` seconds: XLA:TPU
@@ -171,7 +237,7 @@ def _guarded(name: str, timeout: float, function: Any, *args: Any) -> Any:
     except multiprocessing.TimeoutError:
         pool.terminate()  # the compile still running: nothing else to lose
         row = {"plan": name, "error": f"TimeoutError: not compiled within {timeout:.0f} s"}
-        return (row, {"error": row["error"]}) if function is _fit_row else row
+        return (row, {"error": row["error"]}) if function is not _preset_row else row
     pool.close()  # the worker exits on its own (terminating it makes XLA print a trace)
     pool.join()
     return result
@@ -256,9 +322,19 @@ def main() -> None:
     group.add_argument("--smoke", action="store_true", help="the small decoder on h100-8")
     group.add_argument("--full", action="store_true", help="Llama-2-70B on h100-8 and v5p")
     parser.add_argument("--targets", nargs="+", choices=list(TARGETS), help="only these")
+    parser.add_argument(
+        "--zero-offload",
+        type=float,
+        metavar="HOST_BYTES",
+        help="instead: the ZeRO-Offload recipe on h100-8 within this much host memory for "
+        "the node (2e12 for a 2 TB node), the update delayed and not",
+    )
     options = parser.parse_args()
     size = "smoke" if options.smoke else "full" if options.full else "default"
     tag = "" if size == "full" else f"_{size}"
+    if options.zero_offload:
+        zero_offload(size, options.zero_offload, tag)
+        return
     run(size, tag + "".join(f"_{t}" for t in options.targets or ()), options.targets)
 
 
