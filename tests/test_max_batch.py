@@ -304,3 +304,52 @@ def test_h100_batch_returned_fits_and_the_next_does_not():
     assert total_at(step, make_args, batch + 1, "h100") > budget
     assert len(probes) <= 10
     assert all(p["report"].target == "h100" for p in probes)
+
+
+# -- within the host's memory too -------------------------------------------------------
+
+
+def _fake_reports(device_per_row, host_per_row, host_base):
+    def report(fn, model, x, target):
+        rows = x.shape[0]
+        device = {"temp": device_per_row * rows, "argument": 0, "output": 0, "alias": 0}
+        host = {"temp": host_base + host_per_row * rows, "argument": 0, "output": 0, "alias": 0}
+        return ox.MemoryReport("step", "cpu", device={**device, "generated_code": 0},
+                               host={**host, "generated_code": 0})  # fmt: skip
+
+    return report
+
+
+@pytest.mark.parametrize("host_budget, answer", [(60_000, 10), (59_999, 9), (10**9, 1_000)])
+def test_the_batch_fits_the_host_budget_as_well_as_the_devices(monkeypatch, host_budget, answer):
+    """Device 1,000 bytes a row (budget 1e6: 1,000 rows), host 10,000 + 5,000 a row: the
+    host binds first unless its budget is large; the answer is exact either way."""
+    monkeypatch.setattr(_max_batch, "memory_report", _fake_reports(1_000, 5_000, 10_000))
+    step, make_args = mlp_step()
+    probes, lines = [], []
+    batch = ox.max_batch(
+        step, make_args, target="cpu", device_budget=10**6, host_budget=host_budget,
+        probes=probes, progress=lines.append,
+    )  # fmt: skip
+    assert batch == answer
+    by_batch = {p["batch"]: p for p in probes}
+    assert by_batch[answer]["fits"] and not by_batch[answer + 1]["fits"]
+    assert by_batch[answer]["host_total"] == 10_000 + 5_000 * answer
+    assert all("host" in line for line in lines)
+
+
+def test_batch_one_over_the_host_budget_names_the_host_bytes(monkeypatch):
+    monkeypatch.setattr(_max_batch, "memory_report", _fake_reports(1_000, 5_000, 10_000))
+    step, make_args = mlp_step()
+    with pytest.raises(ValueError, match=r"even at batch 1.*14\.65 KiB \(15000 bytes\) in host memory, host budget 0 bytes.*host_budget"):  # fmt: skip
+        ox.max_batch(step, make_args, target="cpu", device_budget=10**6, host_budget=0)
+
+
+def test_the_default_host_budget_is_the_targets_host_memory_per_device():
+    from offload_eqx._planning.batch_budgets import host_limit_of
+
+    h100 = ox.TARGETS["h100"]
+    assert h100.speeds is not None
+    assert host_limit_of(h100, None) == h100.speeds.host_memory
+    assert host_limit_of(h100, 123) == 123
+    assert host_limit_of(ox.TARGETS["cpu"], None) is None  # the CPU's host is its device

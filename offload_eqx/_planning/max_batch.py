@@ -30,6 +30,7 @@ from .._jit.jit import FilterJit, filter_jit
 from .._plan.plan import Plan
 from .._targets.devices import require_compiler
 from .._targets.targets import Target, get_target
+from .batch_budgets import SCALE, host_limit_of, host_words, pressure, progress_line, within
 
 # A batch this large that still fits means memory hardly grows with the batch (a peak set
 # by something else, say an optimizer update): searching further only makes the compiler
@@ -56,9 +57,9 @@ _NOT_TUPLE = (
 )
 _BATCH_ONE = (
     "ox.max_batch: `{name}` does not fit {target!r} even at batch 1: {needs} on the device, "
-    "budget {budget}. Offload more (a strategy that recomputes or offloads activations, "
-    "parameters or optimizer state on the host), shard it over more devices, or raise "
-    "`device_budget` if the device has more memory."
+    "budget {budget}{host}. Offload more (a strategy that recomputes or offloads "
+    "activations, parameters or optimizer state on the host), shard it over more devices, "
+    "or raise `device_budget` / `host_budget` if the machine has more memory."
 )
 _COMPILE_FAILED = (
     "ox.max_batch: compiling `{name}` for {target!r} at batch {batch} failed for a reason "
@@ -203,6 +204,7 @@ def max_batch(
     *,
     target: "str | Target",
     device_budget: int | None = None,
+    host_budget: int | None = None,
     strategy: "str | Strategy | Plan | None" = None,
     start: int | None = None,
     max_compiles: int | None = None,
@@ -222,6 +224,9 @@ def max_batch(
     - `device_budget`: bytes one device may use, an int of any integer type
         (`8 * 2**30`); default the target's device memory (`Target.capacity`; required
         for `"cpu"`, whose capacity is unknown).
+    - `host_budget`: bytes of host memory one device may use (the compiled host total),
+        0 for none; default the target's host memory per device (`Speeds.host_memory`;
+        unchecked for `"cpu"`, whose host is its device). A batch fits when both do.
     - `strategy`: compile the step under this strategy instead of its own (a name, an
         `ox.Strategy` or an `ox.Plan`): `ox.filter_jit(step.fn, strategy=strategy, ...)`
         with the step's donation and mesh.
@@ -233,7 +238,8 @@ def max_batch(
         under pytest or with `CI` set); `True` always shows it, `False` never.
     - `probes`: a list to which one dict per compile is appended, in order: `batch`,
         `total` (device bytes, None when the compiler refused the program for lack of
-        memory), `fits`, `seconds`, `report` (the `ox.MemoryReport`, or None).
+        memory), `host_total` (host bytes, or None), `fits`, `seconds`, `report` (the
+        `ox.MemoryReport`, or None).
 
     **Returns:** the batch `b >= 1` that was compiled and fits, while `b + 1` was compiled
     and does not: exact, not read off a line. (If memory were not monotone in the batch,
@@ -253,6 +259,7 @@ def max_batch(
     budget = resolved.capacity if device_budget is None else device_budget
     if budget is None:
         raise ValueError(_NO_CAPACITY.format(target=resolved.name))
+    host_limit = host_limit_of(resolved, host_budget)
     if start is not None and start > LARGEST_BATCH:
         raise ValueError(
             f"ox.max_batch(start={start}): the search stops at batch {LARGEST_BATCH} "
@@ -285,25 +292,30 @@ def max_batch(
                     )
                 ) from error
         total = None if report is None else report.total
+        host = None if report is None else report.host_total
         entry = {
             "batch": batch,
             "total": total,
-            "fits": total is not None and total <= budget,
+            "host_total": host,
+            "fits": total is not None and total <= budget and within(host, host_limit),
             "seconds": time.perf_counter() - started,
             "report": report,
         }
         log.append(entry)
         if probes is not None:
             probes.append(entry)
-        say(_progress_line(entry, resolved.name, budget))
+        say(progress_line(entry, resolved.name, budget, host_limit))
         shapes[batch] = _shapes(args)
         _check_batch_reaches_args(log, shapes, name)
-        return total
+        return pressure(total, budget, host, host_limit)
 
     try:
         with reporting("ox.max_batch", progress) as say:
             low, high = _largest_fit(
-                lambda batch: measure(batch, say), budget, start or 1, max_compiles
+                lambda batch: measure(batch, say),
+                budget if host_limit is None else SCALE,
+                start or 1,
+                max_compiles,
             )
     except _CompileBudgetSpent:
         raise RuntimeError(
@@ -337,6 +349,7 @@ def max_batch(
                 target=resolved.name,
                 needs=needs,
                 budget=f"{format_bytes(budget)} ({budget} bytes)",
+                host=host_words(at["host_total"], host_limit),
             )
         )
     return low
@@ -400,13 +413,3 @@ def _check_batch_reaches_args(log: list[dict[str, Any]], shapes: dict[int, Any],
                     first=earlier["batch"], second=batch, name=name, outcome=outcome
                 )
             )
-
-
-def _progress_line(entry: dict[str, Any], target: str, budget: int) -> str:
-    total = entry["total"]
-    needs = "refused (out of memory)" if total is None else format_bytes(total)
-    verdict = "fits" if entry["fits"] else "does not fit"
-    return (
-        f"max_batch {target}: batch {entry['batch']}: {needs} of {format_bytes(budget)}, "
-        f"{verdict} ({entry['seconds']:.1f} s)"
-    )
