@@ -177,6 +177,35 @@ def plan_one(
     }
 
 
+def largest_batch(row: dict, config: Config, host_budget: float, delay: int) -> dict:
+    """For a row that fits: the largest batch of its plan within the device and the host
+    budget (`ox.max_batch`), and that batch's predicted step (`ox.estimate`)."""
+    started = time.perf_counter()
+    opt = optimizer(delay)
+    strategy = ox.Strategy(**row["strategy"])
+    step = make_step(opt, strategy)
+    batch = ox.max_batch(
+        step,
+        lambda b: abstract_args(config, b, opt),
+        target=row["target"],
+        host_budget=int(host_budget),
+        start=row["batch"],
+        progress=lambda line: print(f"    {line}", flush=True),
+    )
+    estimate = ox.estimate(step, *abstract_args(config, batch, opt), target=row["target"])
+    tokens = batch * config.seq
+    print(f"  largest batch {batch}: {estimate.seconds:.2f} s", flush=True)
+    return {
+        "largest_batch": batch,
+        "largest_seconds": estimate.seconds,
+        "largest_tokens_per_s": tokens / estimate.seconds,
+        "largest_mfu_6nt": estimate.mfu(6 * config.parameters * tokens),
+        "largest_device": estimate.device_bytes,
+        "largest_host": estimate.host_bytes,
+        "largest_wall_s": time.perf_counter() - started,
+    }
+
+
 def table(rows: list[dict]) -> str:
     header = ["target", "model", "plan", "batch", "step s", "tokens/s", "MFU 6NT",
               "device GB", "host GB", "link GB/step", "host update s", "budget binds",
@@ -209,6 +238,15 @@ def table(rows: list[dict]) -> str:
         ]
         for r in rows
     ]
+    for r in rows:
+        if "largest_batch" in r:
+            body[rows.index(r)].append(
+                f"{r['largest_batch']} x {r['seq']}: {r['largest_seconds']:.2f} s, "
+                f"{r['largest_mfu_6nt']:.1%}"
+            )
+    if any("largest_batch" in r for r in rows):
+        header.append("largest batch: step s, MFU")
+        body = [line + ["-"] * (len(header) - len(line)) for line in body]
     published = "\n".join(f"- {who}: {what} (published)" for who, what in PUBLISHED)
     return format_table(header, body, markdown=True) + "\n" + published
 
@@ -221,6 +259,7 @@ def run(
     configs: list[str] | None = None,
     tag: str = "",
     delay: int = 1,
+    largest: bool = False,
 ) -> list[dict]:
     started = time.perf_counter()
     if size == "smoke":
@@ -235,6 +274,9 @@ def run(
             continue
         for name in names:  # largest first, until one fits
             row = plan_one(target, CONFIGS[name], budget, batch or BATCH, compiles, delay)
+            if row["fits"] and largest:
+                config = with_attention(CONFIGS[name], target)
+                row |= largest_batch(row, config, budget, delay)
             rows.append(row)
             if row["fits"]:
                 break
@@ -262,9 +304,17 @@ def main() -> None:
     parser.add_argument(
         "--delay", type=int, default=1, choices=(0, 1), help="the host update's delay (steps)"
     )
+    parser.add_argument(
+        "--largest-batch",
+        action="store_true",
+        help="also the largest batch of each plan found (ox.max_batch within both budgets)",
+    )
     args = parser.parse_args()
     size = "smoke" if args.smoke else "default"
-    run(size, args.targets, args.batch, args.host_budget, args.configs, args.tag, args.delay)
+    run(
+        size, args.targets, args.batch, args.host_budget, args.configs, args.tag, args.delay,
+        args.largest_batch,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

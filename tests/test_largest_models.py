@@ -187,3 +187,36 @@ def test_binds_reads_the_statuses_of_faster_plans(host_bound):
                        "over the host budget by 2 B")  # fmt: skip
     assert both.binds == ("device", "host")
     assert "the device and the host budgets bind (2 faster plans over it)" in both.binding()
+
+
+def test_the_undelayed_recipe_writes_the_state_in_place_on_the_h100(recipe):
+    """Not delayed, the host update is one host call per parameter, the state donated:
+    every host output aliases its argument, and the host holds less than the delayed
+    recipe, whose one call writes every result beside the state."""
+    _, args, model = recipe
+    adamw = optax.adamw(1e-4, weight_decay=0.01)
+    opt = ox.offload_optimizer(adamw, update_on="host", master_dtype=jnp.float32)
+    state = eqx.filter_eval_shape(opt.init, model)
+    step = decoder.make_step(opt, FRUGAL)
+    undelayed = ox.memory_report(step, model, state, args[2], target="h100")
+    delayed = ox.memory_report(recipe[0], *args, target="h100")
+    assert undelayed.host["alias"] == undelayed.host["output"] > 0, dict(undelayed.host)
+    assert delayed.host["alias"] == 0, dict(delayed.host)
+    assert undelayed.host_total < 0.6 * delayed.host_total
+
+
+def test_max_batch_stops_where_the_offloaded_layer_inputs_fill_the_host(recipe):
+    """Each block's input is offloaded, so the host total grows with the batch: with the
+    host budget at batch 2's total, batch 3 is over it while the device has room."""
+    step, (model, state, _), _ = recipe
+
+    def make_args(batch):
+        return model, state, jax.ShapeDtypeStruct((batch, CONFIG.seq + 1), jnp.int32)
+
+    at = {b: ox.memory_report(step, *make_args(b), target="h100") for b in (2, 3)}
+    assert at[3].host_total > at[2].host_total and at[3].fits
+    probes = []
+    batch = ox.max_batch(step, make_args, target="h100", host_budget=at[2].host_total,
+                         start=2, probes=probes)  # fmt: skip
+    assert batch == 2
+    assert {p["batch"]: p["host_total"] for p in probes}[2] == at[2].host_total
