@@ -309,7 +309,8 @@ def compile_entry(
     donated = plan.donated(*donation, host_in_place=writes_in_place(closed, platform))
     if donated and not donate_on_error:
         donated = _unless_it_can_raise(closed, donated, caller)
-    # What a target whose host computation is a call of its own (XLA:GPU) does not donate.
+    # What a target whose host update is one call of its own (XLA:GPU, not split) does
+    # not donate (`writes_in_place`), for the deviceless compiles (`Program.donated_on`).
     host_donated = tuple(sorted(set(donated) - set(plan.donated(*donation, host_in_place=False))))
     # Off a mesh, a program that places values on devices itself gets jit's placement
     # for its device arguments and results (None), as under `jax.jit`.

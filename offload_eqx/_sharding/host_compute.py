@@ -312,13 +312,12 @@ def _bind(jaxpr: Any, operands: list) -> list:
 def _chained(jaxpr: Any, operands: list) -> list:
     """`jaxpr` as one host computation per group of results (`host_split`), each group's
     operands held back (`optimization_barrier`) until the group before has its results."""
-    groups = result_groups(jaxpr, len(operands))
+    groups = result_groups(jaxpr)
     if len(groups) < 2:
         return _bind(jaxpr, operands)
     outs: list = [None] * len(jaxpr.out_avals)
     before: list = []
     for group in groups:
-        group = sorted(group)
         program, used = group_program(jaxpr, group)
         mine = [x for x, u in zip(operands, used) if u]
         if before:

@@ -61,13 +61,12 @@ def _dependencies(jaxpr: Any, inputs: Sequence[frozenset]) -> list[frozenset]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def result_groups(closed: ClosedJaxpr, operand_count: int) -> list[list[int]]:
-    """The results of `closed` (whose invars are `operand_count` operands after its
-    constants) in groups, each reading large operands no other group reads; in order of
-    their first result, merged while within the largest group's bytes."""
+def result_groups(closed: ClosedJaxpr) -> list[list[int]]:
+    """The results of `closed` by index, in groups, each reading large operands no other
+    group reads; in order of their first result, merged while within the largest group's
+    bytes, each group's indices in order."""
     jaxpr = closed.jaxpr
     large = [frozenset({i}) if _size(v.aval) > 1 else _NONE for i, v in enumerate(jaxpr.invars)]
-    assert len(large) == operand_count
     reads = _dependencies(jaxpr, large)
     owner = list(range(len(reads)))  # union-find over results sharing a large operand
 
@@ -91,7 +90,8 @@ def result_groups(closed: ClosedJaxpr, operand_count: int) -> list[list[int]]:
     if not linked:
         return [free]
     linked[0] = sorted(linked[0] + free)
-    return _merged(linked, [_nbytes(v.aval) for v in jaxpr.outvars])
+    merged = _merged(linked, [_nbytes(v.aval) for v in jaxpr.outvars])
+    return [sorted(group) for group in merged]
 
 
 def _merged(groups: list[list[int]], sizes: list[int]) -> list[list[int]]:
