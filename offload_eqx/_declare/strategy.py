@@ -8,7 +8,9 @@ from typing import Any, Literal, get_args
 from .activations import LayerSplit, Policy, check_layer_split
 
 LeafMode = Literal["annotated", "device", "pinned_host"]
-UpdateMode = Literal["annotated", "device", "host"]
+UpdateMode = Literal["annotated", "device", "host", "host_sliced"]
+# The updates that run on the host, the state in host memory.
+HOST_UPDATES: tuple[str, ...] = ("host", "host_sliced")
 ActivationMode = Literal["annotated", "save", "remat", "offload"]
 
 
@@ -73,9 +75,16 @@ class Strategy:
         policy)` pairs: a strategy stays hashable.
     - `update`: where the update of `ox.offload_optimizer`'s state runs: `"annotated"`
         (as its `update_on=` says, except that `optimizer="device"` updates on the
-        device), `"device"`, or `"host"` (the state stays in host memory, scalars too,
-        and only gradients and updates cross the link). `"host"` needs `optimizer`
-        other than `"device"`.
+        device), `"device"`, `"host"` (the state stays in host memory, scalars too,
+        and only gradients and updates cross the link), or `"host_sliced"`: as
+        `"host"`, and where the host computation is a call of its own (XLA:GPU), the
+        update of every parameter whose new state and value exceed 1 GiB is computed a
+        slice at a time, each slice's results written over the state, so the host holds
+        the state once and nothing of the update beside it; each slice's results pass
+        through device memory, so they cross the link twice (elementwise
+        transformations only: Adam, AdamW, SGD, Lion; others are computed whole).
+        `ox.fit` plans it where the update computed whole is over the host budget. Both
+        need `optimizer` other than `"device"`.
     """
 
     name: str
@@ -114,10 +123,10 @@ class Strategy:
             for name, policy in pairs
         )
         object.__setattr__(self, "names", pairs)
-        if self.update == "host" and self.optimizer == "device":
+        if self.update in HOST_UPDATES and self.optimizer == "device":
             raise ValueError(
-                f"Strategy {self.name!r} has update='host' and optimizer='device': an "
-                "update on the host keeps the optimizer state in host memory. Use "
+                f"Strategy {self.name!r} has update={self.update!r} and optimizer='device': "
+                "an update on the host keeps the optimizer state in host memory. Use "
                 "optimizer='pinned_host' (or 'annotated'), or update='device'."
             )
 

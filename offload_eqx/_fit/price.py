@@ -9,10 +9,11 @@ choices made alone (names interact little: each is its own tensor). Up to
 `EXHAUSTIVE_NAMES` names every combination is a candidate; past that, a frontier.
 """
 
+import dataclasses
 from typing import Any
 
-from .._planning.traced_time import Delta, Load, load_of, predict
-from .._sharding.host_compute import host_update_problem
+from .._planning.traced_time import PHASES, Delta, Load, load_of, predict
+from .._sharding.host_compute import host_inline, host_update_problem
 from .search import Search
 from .space import (
     EXHAUSTIVE_NAMES,
@@ -25,6 +26,7 @@ from .space import (
     named_values,
 )
 
+SLICED = "host_sliced"
 _FRONTIER = (
     "{count} names are searched along a frontier, not every combination (more than "
     "{limit} names would make 3^n candidates): from every name saved, names switch one at "
@@ -40,8 +42,12 @@ def find_space(search: Search) -> Space:
     roles = {leaf.role for leaf in plan.leaves}
     declared = sorted(plan.declared_activations)
     params = ("device", "pinned_host") if "param" in roles else ("device",)
-    # "host": the state in host memory, updated there, where the target can compute.
-    host = ("host",) if host_update_problem(search.target.platform) is None else ()
+    # "host": the state in host memory, updated there, where the target can compute;
+    # "host_sliced" too, where a host computation is a call of its own (XLA:GPU).
+    platform = search.target.platform
+    host: tuple[str, ...] = ()
+    if host_update_problem(platform) is None:
+        host = ("host",) if host_inline(platform) else ("host", SLICED)
     optimizer = ("device", "pinned_host", *host) if "optimizer" in roles else ("device",)
     everything = Choice("remat", tuple((n, "remat") for n in declared), "device", "device")
     first = search.trace(everything)
@@ -74,9 +80,13 @@ def price(search: Search, space: Space) -> tuple[dict[Choice, Load], list[str]]:
                 deltas[(base.base, name, policy)] = _delta(search.trace(variant), base_load)
     for p in params:
         for o in optimizer:
-            if (p, o) != ("device", "device"):
+            if (p, o) != ("device", "device") and o != SLICED:
                 variant = remat.with_(params=p, optimizer=o)
                 deltas[("placement", p, o)] = _delta(search.trace(variant), base_loads["remat"])
+        if SLICED in optimizer:
+            whole = remat.with_(params=p, optimizer="host")
+            crossing = search.argument_bytes(whole, "pinned_host")
+            deltas[("placement", p, SLICED)] = _sliced(deltas[("placement", p, "host")], crossing)
     notes = [
         f"Not searched: {describe_part(part)}, which {reason}."
         for part, reason in [(("base", b, ""), v) for b, v in base_loads.items()]
@@ -109,6 +119,20 @@ def price(search: Search, space: Space) -> tuple[dict[Choice, Load], list[str]]:
         notes.append(_FRONTIER.format(count=len(names), limit=EXHAUSTIVE_NAMES))
     loads = {c: load for c in candidates if (load := compose(c)) is not None}
     return loads, notes
+
+
+def _sliced(whole: Delta | str, crossing: int) -> Delta | str:
+    """The update computed in slices (`update="host_sliced"`) against whole: the same
+    work, and its results through device memory, crossing the link both ways in the
+    update phase (priced for the whole host-resident state: only parameters past a
+    slice's bytes are sliced, which the compiled schedule then prices exactly)."""
+    if isinstance(whole, str):
+        return whole
+    sums = whole.sums.copy()
+    update = PHASES.index("update")
+    sums[update, 2] += crossing  # host to device: each slice's results, from the host call
+    sums[update, 3] += crossing  # and back, written over the state
+    return dataclasses.replace(whole, sums=sums)
 
 
 def _load(costs: Any) -> Load | str:

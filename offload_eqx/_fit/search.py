@@ -110,6 +110,10 @@ class Search:
     least: tuple | None = None  # (device bytes, host bytes, label) of the least memory seen
     # placement -> the least host bytes a compiled plan of it needed beyond `host_bound`
     host_extra: dict = dataclasses.field(default_factory=dict)
+    # (base, placement) -> the least device bytes a compiled plan of it needed beyond its
+    # arguments and saved names: what the placement adds (a device update of state in
+    # host memory fetches all of it), learned from the first compile of each
+    device_extra: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def speeds(self) -> Speeds:
@@ -139,7 +143,7 @@ class Search:
             except ContractError as error:  # e.g. a name with nothing to offload
                 self.costs[choice] = error
             except ValueError as error:  # a streamed optimizer cannot update on the host
-                if choice.optimizer != "host":
+                if not choice.updates_on_host:
                     raise
                 self.costs[choice] = error
             self.traces += 1
@@ -199,8 +203,12 @@ class Search:
         return int(total / self.devices(choice))
 
     def bound(self, choice: Choice) -> int:
-        """The device memory a plan needs at least: its device arguments, and the named
-        values it saves (alive together when the backward pass starts)."""
+        """The device memory a plan needs at least: its device arguments, the named
+        values it saves (alive together when the backward pass starts), and the least
+        that compiled plans of its base and placement needed beyond those."""
+        return self._device_floor(choice) + self.device_extra.get(_family(choice), 0)
+
+    def _device_floor(self, choice: Choice) -> int:
         return self.argument_bytes(choice, "device") + self.named(choice, "save")
 
     def kept(self, choice: Choice) -> dict[str, float]:
@@ -214,11 +222,16 @@ class Search:
         """A compiled plan of the same base that did not fit, keeps no more named values
         than `choice` keeps, and would still not fit with `FREED_PER_BYTE` times the
         argument bytes `choice` moves off the device taken from it, if there is one (of
-        the same placement: it needed at least as much)."""
+        the same placement: it needed at least as much). Only a plan that updates where
+        `choice` does (on the host, or on the device) dominates it: a device update
+        fetches the state, a host update leaves it where it is, with the same arguments
+        (a 33B decoder on a GH200: 175 GiB against 17)."""
         kept = self.kept(choice)
         arguments = self.argument_bytes(choice, "device")
         for (base, _), compiled in self.over.items():
             for other, needed in compiled if base == choice.base else ():
+                if other.updates_on_host != choice.updates_on_host:
+                    continue
                 theirs = self.kept(other)
                 if not all(kept.get(n, 0.0) >= share for n, share in theirs.items()):
                     continue
@@ -236,7 +249,9 @@ class Search:
         compiles; None to compile it."""
         bound = self.bound(choice)
         if bound > self.budget:
-            return f"not compiled: predicted to need {format_bytes(bound)} of device memory"
+            learned = self._device_floor(choice) <= self.budget  # over by what was learned
+            how = ", as a compiled plan of its base and placement needed" if learned else ""
+            return f"not compiled: predicted to need {format_bytes(bound)} of device memory{how}"
         heavier = self.dominated(choice)
         if heavier is not None:
             return f"not compiled: keeps at least what {heavier.label} kept, which did not fit"
@@ -296,6 +311,10 @@ class Search:
         device, host = report.total, report.host_total
         extra = max(0, host - self.host_bound(choice) + self.host_extra.get(choice.placement, 0))
         self.host_extra[choice.placement] = min(extra, self.host_extra.get(choice.placement, extra))
+        extra = max(0, device - self._device_floor(choice))
+        self.device_extra[_family(choice)] = min(
+            extra, self.device_extra.get(_family(choice), extra)
+        )
         if device > self.budget:
             self.over.setdefault((choice.base, choice.placement), []).append((choice, device))
         if self.least is None or device < self.least[0]:
@@ -405,9 +424,13 @@ def check_by_simulation(search: Search, loads: dict[Choice, Load]) -> None:
         checked += 1
 
 
+def _family(choice: Choice) -> tuple:
+    return (choice.base, choice.placement)
+
+
 def _on_host(choice: Choice) -> bool:
     """Whether the plan updates on the host."""
-    return choice.optimizer == "host"
+    return choice.updates_on_host
 
 
 def compile_in_order(search: Search, loads: dict[Choice, Load]) -> None:

@@ -27,7 +27,7 @@ import jax.extend as jex
 import numpy as np
 
 from .._declare.activations import Policy
-from .._declare.strategy import Strategy
+from .._declare.strategy import HOST_UPDATES, Strategy
 from .._plan.remat_policy import carried_names
 
 _CARRY = (
@@ -93,7 +93,8 @@ class Choice:
 
     `names` gives each searched name a policy, or a `LayerSplit` (a fraction of the
     layers); `params` and `optimizer` are a memory for every managed leaf ("device",
-    "pinned_host"; the optimizer also "host": in host memory, updated there), or pairs
+    "pinned_host"; the optimizer also "host": in host memory, updated there, and
+    "host_sliced": so, each large parameter's update a slice at a time), or pairs
     of `(leaf-path pattern, memory)` for a subset of the leaves (unmatched: "device").
     """
 
@@ -106,7 +107,7 @@ class Choice:
         """The `ox.Strategy` of this choice; `fixed` are the policies of names not
         searched (loop carries), kept as they are."""
         names = dict(fixed) | dict(self.names)
-        host = self.optimizer == "host"  # state in host memory, updated there
+        host = self.updates_on_host  # state in host memory, updated there
         return Strategy(
             self.label,
             params=_leafwise(self.params),
@@ -115,8 +116,13 @@ class Choice:
             names=names,
             # Where the update runs is the search's choice, never the declaration's:
             # "device" and "pinned_host" state are updated on the device.
-            update="host" if host else "device",
+            update=self.optimizer if host else "device",
         )
+
+    @property
+    def updates_on_host(self) -> bool:
+        """Whether the plan updates on the host ("host", or "host_sliced")."""
+        return self.optimizer in HOST_UPDATES
 
     @property
     def placement(self) -> tuple:

@@ -15,6 +15,7 @@ import jax.extend
 import numpy as np
 import optax
 
+from .._sharding.host_chunks import ELEMENTWISE
 from .fused_adamw import optax_only
 from .state import NAME, call_update, eval_shape
 
@@ -107,20 +108,10 @@ def check_per_leaf(transform: optax.GradientTransformation, params: Any) -> None
             )
 
 
-# Primitives that compute each element of their output from the same element of their
-# inputs (or from scalars): a transformation built from these alone, traced on a stacked
-# leaf, treats every layer slice on its own.
-_ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-    copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
-    is_finite le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow
-    real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub
-    tan tanh xor""".split()
-)
-
-
 def _elementwise_outputs(jaxpr: Any, aligned: Sequence[bool], shape: tuple) -> list[bool]:
-    """Propagate "depends on the stacked leaf, element by element" through `jaxpr`.
+    """Propagate "depends on the stacked leaf, element by element" through `jaxpr`: a
+    transformation built from `ELEMENTWISE` primitives alone, traced on a stacked leaf,
+    treats every layer slice on its own.
 
     `aligned[k]` says whether input `k` is such a value (of the leaf's shape). Returns the
     same flag for each output, or raises `_NotElementwise` at the first equation that
@@ -135,7 +126,7 @@ def _elementwise_outputs(jaxpr: Any, aligned: Sequence[bool], shape: tuple) -> l
         ins = [flag(v) for v in eqn.invars]
         if not any(ins):
             outs = [False] * len(eqn.outvars)
-        elif eqn.primitive.name in _ELEMENTWISE and all(
+        elif eqn.primitive.name in ELEMENTWISE and all(
             np.shape(v.aval) in ((), shape) for v in eqn.invars
         ):
             outs = [True] * len(eqn.outvars)

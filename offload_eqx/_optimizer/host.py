@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._declare.strategy import HOST_UPDATES
 from .._sharding.host_compute import host_inline, on_host, traced_platform
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
 from .delayed import Delayed, as_pending, delayed_tx, when_ready, zeros
@@ -172,7 +173,12 @@ class HostUpdate:
         self.streamed = streamed  # the state of a streamed optimizer (`stream`)
 
     def on_host(self, state: Any) -> bool:
-        return self.where(state) == "host"
+        return self.where(state) in HOST_UPDATES
+
+    def _sliced(self, state: Any) -> bool:
+        """Whether the plan computes large parameters' updates a slice at a time
+        (`update="host_sliced"`)."""
+        return self.where(state) == "host_sliced"
 
     def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         if not self.on_host(state):
@@ -196,6 +202,8 @@ class HostUpdate:
             ready,
             flatten=flatten_transfers(),
             split=_split_calls(delayed_tx(self.inner) is not None),
+            sliced=self._sliced(state),
+            reuse={1: 1},  # the new state replaces the state
             name=self._name("optimizer update"),
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
         )
@@ -257,6 +265,8 @@ class HostUpdate:
             ready,
             flatten=flatten_transfers(),
             split=_split_calls(delayed_tx(self.inner) is not None),
+            sliced=self._sliced(state),
+            reuse={0: 3, 2: 1},  # the new host parameters and state replace the old
             name=self._name("optimizer update and apply"),
             labels=(
                 ("gradient", "grads"),

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._declare.strategy import HOST_UPDATES
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan, argument_path
 from .checks import check_elementwise, check_per_leaf, is_stacked
@@ -272,7 +273,8 @@ class StreamedUpdate:
         computation (`host.HostUpdate`), as `update_on="host"` does; with
         `apply`, the sum for host-resident parameters in the same computation and the
         updates of the others fetched and added on the device."""
-        host = HostUpdate(self._whole_leaves(), None, lambda _: "host", streamed=True)
+        update = plan.strategy.update if (plan := active_plan()) is not None else "host"
+        host = HostUpdate(self._whole_leaves(), None, lambda _: update, streamed=True)
         if not apply:
             return host(grads, state, params, **extra_args)
         new_host, others, new_state = host.update_and_apply(grads, state, params, **extra_args)
@@ -283,7 +285,7 @@ class StreamedUpdate:
     def _step(self, updates, state, params, extra_args, apply):
         check_ours(state, streamed=True, name=NAME)
         plan = active_plan()
-        if plan is not None and plan.strategy.update == "host":
+        if plan is not None and plan.strategy.update in HOST_UPDATES:
             return self._on_host(updates, state, params, extra_args, apply)
         if apply and params is None:
             raise ValueError(

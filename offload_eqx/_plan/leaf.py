@@ -14,7 +14,7 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._declare.placement import Memory, Placement, Role
-from .._declare.strategy import Strategy
+from .._declare.strategy import HOST_UPDATES, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _memory(
 ) -> Memory | None:
     if placement is None:
         return None
-    if placement.role == "optimizer" and strategy.update_of(placement.update) == "host":
+    if placement.role == "optimizer" and strategy.update_of(placement.update) in HOST_UPDATES:
         return "pinned_host"  # updated on the host: all of it lives there, never moved
     if placement.role == "optimizer" and ndim == 0:
         # Scalars (Adam's step count, injected hyperparameters) stay on the device: they

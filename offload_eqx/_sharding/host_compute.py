@@ -37,22 +37,19 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
-from jax.core import ShapedArray, Tracer, eval_jaxpr
+from jax.core import Tracer, eval_jaxpr
 
-from .host_split import group_program, result_groups
+from .host_calls import (
+    COMPUTE_ON,
+    HOST,
+    bind,
+    chained,
+    device_aval,
+    host_context,
+    slots_of,
+)
 from .memory_space import is_host_typed, labelled, to_host
 
-try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
-    # jaxpr, and the context that marks equations traced inside it (`compute_on` itself is
-    # a context manager in jax 0.10 and a function transform from 0.11; this is not).
-    from jax._src.compute_on import (
-        compute_on_p as _COMPUTE_ON,
-        extend_compute_type as _host_context,
-    )
-except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
-    _COMPUTE_ON = _host_context = None
-
-HOST = "device_host"
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
 # The host computations of the optimizer update on the host (`update_on="host"`), and
@@ -220,10 +217,6 @@ def _sharded_in_type(x: Any) -> bool:
     return any(entry is not None for entry in spec)
 
 
-def _device_aval(x: Any) -> Any:
-    return ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
-
-
 def on_host(
     fn: Callable[..., Any],
     *args: Any,
@@ -231,6 +224,8 @@ def on_host(
     name: str = "host computation",
     labels: tuple[tuple[str, str], ...] = (),
     split: bool = False,
+    sliced: bool = False,
+    reuse: dict[int, int] | None = None,
 ) -> Any:
     """`fn(*args)` computed on the host; every array result is host-typed, and Python
     values among the results (an optimizer state's int or string) come back as they are.
@@ -239,6 +234,13 @@ def on_host(
     large operands, each call after the one before (`host_split`): what lets XLA:GPU
     write the results into donated arguments holding one group's temporaries at a time.
 
+    With `sliced` too, a group whose results exceed `host_chunks.CHUNK_BYTES` and that is
+    elementwise is computed a slice at a time (`host_chunks`), each slice's results
+    written over the arrays they replace: `reuse[i] = j` says that result `i` (of a
+    tuple) replaces `args[j]`, leaf by leaf (their paths match), e.g. the state the
+    computation updates, donated by the step; a result that replaces nothing gets a
+    buffer of its own. Unflattened operands (on a mesh) are not sliced.
+
     `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
     is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
 
@@ -246,7 +248,7 @@ def on_host(
     host memory first, explicitly, flattened to one dimension when `flatten`); other
     leaves are constants of the computation.
     """
-    if _COMPUTE_ON is None or _host_context is None:  # pragma: no cover
+    if COMPUTE_ON is None or host_context is None:  # pragma: no cover
         raise NotImplementedError(
             f"offload_eqx's host computation needs `jax._src.compute_on.compute_on_p`, "
             f"which jax {jax.__version__} does not have; use jax 0.10.2 or update the "
@@ -278,9 +280,9 @@ def on_host(
         values.append(out_values)
         return arrays
 
-    with _host_context(HOST):
+    with host_context(HOST):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
-            *[_device_aval(x) for x in sent]
+            *[device_aval(x) for x in sent]
         )
     jaxpr, consts = closed, []
     if any(isinstance(c, Tracer) for c in closed.consts):
@@ -288,44 +290,15 @@ def on_host(
         # host memory like the others (as `compute_on2` does).
         jaxpr, consts = _separate_consts(closed)
         consts = [to_host(c) for c in consts]
-    with jax.named_scope(f"{NAME_SCOPE}[{name}]"):
+    scope = f"{NAME_SCOPE}[{name}]"
+    with jax.named_scope(scope):
         if split:
-            outs = _chained(jaxpr, [*consts, *sent])
+            slots = slots_of(out_shape, with_path, reuse or {}, len(consts))
+            outs = chained(jaxpr, [*consts, *sent], slots, scope, sliced and flatten)
         else:
-            outs = _bind(jaxpr, [*consts, *sent])
+            outs = bind(jaxpr, [*consts, *sent])
     arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return eqx.combine(arrays, values[0])
-
-
-def _bind(jaxpr: Any, operands: list) -> list:
-    """One host computation of `jaxpr` (closed) on `operands`, its results in host memory."""
-    assert _COMPUTE_ON is not None  # `on_host` refused to start without it
-    return _COMPUTE_ON.bind(
-        *operands,
-        jaxpr=jaxpr,
-        compute_type=HOST,
-        out_memory_spaces=tuple(jax.memory.Space.Host for _ in jaxpr.out_avals),
-        compiler_options_json=None,
-    )
-
-
-def _chained(jaxpr: Any, operands: list) -> list:
-    """`jaxpr` as one host computation per group of results (`host_split`), each group's
-    operands held back (`optimization_barrier`) until the group before has its results."""
-    groups = result_groups(jaxpr)
-    if len(groups) < 2:
-        return _bind(jaxpr, operands)
-    outs: list = [None] * len(jaxpr.out_avals)
-    before: list = []
-    for group in groups:
-        program, used = group_program(jaxpr, group)
-        mine = [x for x, u in zip(operands, used) if u]
-        if before:
-            mine, _ = jax.lax.optimization_barrier((mine, before))
-        before = list(_bind(program, mine))
-        for index, result in zip(group, before):
-            outs[index] = result
-    return outs
 
 
 def _nbytes(x: Any) -> int:
@@ -343,7 +316,7 @@ def on_host_if_cheap(
     actually reads that are in device memory add up to at most `limit` bytes (a PRNG
     key: a model built from it is computed where it will live); None otherwise, for the
     caller to compute on the device. Operands `fn` does not read are not sent."""
-    closed = jax.make_jaxpr(fn)(*[_device_aval(x) for x in operands])
+    closed = jax.make_jaxpr(fn)(*[device_aval(x) for x in operands])
     jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     read = [x for x, u in zip(operands, used) if u]
     if sum(_nbytes(x) for x in read if not is_host_typed(x)) > limit:

@@ -61,10 +61,10 @@ def _dependencies(jaxpr: Any, inputs: Sequence[frozenset]) -> list[frozenset]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def result_groups(closed: ClosedJaxpr) -> list[list[int]]:
+def result_groups(closed: ClosedJaxpr, cap: int | None = None) -> list[list[int]]:
     """The results of `closed` by index, in groups, each reading large operands no other
     group reads; in order of their first result, merged while within the largest group's
-    bytes, each group's indices in order."""
+    bytes (and within `cap`, if given), each group's indices in order."""
     jaxpr = closed.jaxpr
     large = [frozenset({i}) if _size(v.aval) > 1 else _NONE for i, v in enumerate(jaxpr.invars)]
     reads = _dependencies(jaxpr, large)
@@ -90,13 +90,15 @@ def result_groups(closed: ClosedJaxpr) -> list[list[int]]:
     if not linked:
         return [free]
     linked[0] = sorted(linked[0] + free)
-    merged = _merged(linked, [_nbytes(v.aval) for v in jaxpr.outvars])
+    merged = _merged(linked, [_nbytes(v.aval) for v in jaxpr.outvars], cap)
     return [sorted(group) for group in merged]
 
 
-def _merged(groups: list[list[int]], sizes: list[int]) -> list[list[int]]:
-    """Consecutive groups joined while their results' bytes stay within the largest's."""
+def _merged(groups: list[list[int]], sizes: list[int], cap: int | None) -> list[list[int]]:
+    """Consecutive groups joined while their results' bytes stay within the largest's
+    (and `cap`)."""
     bound = max((sum(sizes[i] for i in g) for g in groups), default=0)
+    bound = bound if cap is None else min(bound, cap)
     merged: list[list[int]] = []
     held = 0
     for group in groups:

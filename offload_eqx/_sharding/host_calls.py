@@ -1,0 +1,175 @@
+"""A traced host computation bound as host calls of the step (`host_compute.on_host`):
+one call (`bind`), or one per group of results, chained (`chained`, `host_split`), a
+large elementwise group computed a slice at a time (`host_chunks`), its results written
+over the operands they replace (`slots_of`)."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+
+from . import host_chunks
+from .host_chunks import chunk_count, slice_program
+from .host_split import group_program, result_groups
+from .memory_space import is_host_typed, to_host
+
+try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
+    # jaxpr, and the context that marks equations traced inside it (`compute_on` itself is
+    # a context manager in jax 0.10 and a function transform from 0.11; this is not).
+    from jax._src.compute_on import (
+        compute_on_p as COMPUTE_ON,
+        extend_compute_type as host_context,
+    )
+except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
+    COMPUTE_ON = host_context = None
+
+HOST = "device_host"
+
+
+def device_aval(x: Any) -> Any:
+    """`x`'s shape and dtype, typed as device memory: what a host computation is traced
+    with (inside it, every value is in host memory)."""
+    return ShapedArray(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def slots_of(out_shape: Any, with_path: list, reuse: dict[int, int], offset: int) -> dict:
+    """For each result (by index) that `reuse` says replaces an argument's leaf at the
+    same path, that leaf's index among the operands (`offset` constants first)."""
+    key = jax.tree_util.keystr
+    by_path = {
+        (getattr(path[0], "idx", None), key(path[1:])): offset + n
+        for n, (path, _) in enumerate(with_path)
+    }
+    slots = {}
+    for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]):
+        part = getattr(path[0], "idx", None) if path else None
+        found = by_path.get((reuse.get(part), key(path[1:]))) if part in reuse else None
+        if found is not None:
+            slots[index] = found
+    return slots
+
+
+def bind(jaxpr: Any, operands: list) -> list:
+    """One host computation of `jaxpr` (closed) on `operands`, its results in host memory."""
+    assert COMPUTE_ON is not None  # `on_host` refused to start without it
+    return COMPUTE_ON.bind(
+        *operands,
+        jaxpr=jaxpr,
+        compute_type=HOST,
+        out_memory_spaces=tuple(jax.memory.Space.Host for _ in jaxpr.out_avals),
+        compiler_options_json=None,
+    )
+
+
+def chained(jaxpr: Any, operands: list, slots: dict[int, int], scope: str, sliced: bool) -> list:
+    """`jaxpr` as one host computation per group of results (`host_split`), each group's
+    operands held back (`optimization_barrier`) until the group before has its results.
+    With `sliced`, a group whose results exceed `host_chunks.CHUNK_BYTES` and that is
+    elementwise is computed a slice at a time (`_in_slices`), its results written into
+    the operands `slots` names for them (result index -> operand index)."""
+    # Sliced, groups are merged only within a slice's bytes: a merged group mixes
+    # parameters of several sizes, which cannot be sliced together.
+    groups = result_groups(jaxpr, cap=host_chunks.CHUNK_BYTES if sliced else None)
+    uses = [group_program(jaxpr, group)[1] for group in groups]
+    readers: dict[int, int] = {}  # operand -> the group that reads it
+    for number, used in enumerate(uses):
+        readers.update((i, number) for i, u in enumerate(used) if u)
+    outs: list = [None] * len(jaxpr.out_avals)
+    before: list = []
+    for number, group in enumerate(groups):
+        # Results of one element (Adam's count) are computed whole, before the slices.
+        rest = [j for j in group if _size(jaxpr.out_avals[j]) > 1]
+        program, used = group_program(jaxpr, rest or group)
+        chunks = chunk_count(program) if sliced and rest else 1
+        if chunks == 1:
+            if len(groups) == 1:
+                return bind(jaxpr, operands)
+            rest = []
+        whole = [j for j in group if j not in rest]
+        places = {
+            j: slots[j]
+            for j in rest
+            if j in slots
+            and readers.get(slots[j], number) == number
+            and _fits(operands[slots[j]], jaxpr.out_avals[j])
+        }
+        needed = sorted({i for i, u in enumerate(uses[number]) if u} | set(places.values()))
+        held = [operands[i] for i in needed]
+        if before:
+            held, _ = jax.lax.optimization_barrier((held, before))
+        ready = dict(zip(needed, held))
+        before = []
+        if whole:
+            small, small_used = group_program(jaxpr, whole)
+            before += bind(small, [ready[i] for i, u in enumerate(small_used) if u])
+        if rest:
+            reads = [i for i, u in enumerate(used) if u]
+            targets = [places.get(j) for j in rest]
+            before += _in_slices(program, reads, targets, ready, chunks, scope)
+        for index, result in zip(whole + rest, before):
+            outs[index] = result
+    return outs
+
+
+def _size(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
+
+
+def _fits(operand: Any, aval: Any) -> bool:
+    """Whether a result of type `aval` can be written over `operand`: in host memory, of
+    the same dtype and number of elements."""
+    return (
+        is_host_typed(operand)
+        and operand.dtype == aval.dtype
+        and _size(jax.typeof(operand)) == _size(aval)
+    )
+
+
+def _in_slices(
+    program: Any, reads: list, targets: list, ready: dict, chunks: int, scope: str
+) -> list:
+    """`program` (closed, elementwise) computed in `chunks` slices of its flat element
+    order, in a loop: trip `k`'s host call reads slice `k` of its operands and returns the
+    results' slices, which are written into their buffers: the operand `targets[j]` (by
+    index into `ready`) whose old values the computation reads from that same buffer,
+    slice by slice, before writing it, or a fresh host buffer where `targets[j]` is None.
+    XLA:GPU places each host call's results in device memory and writes them back with a
+    kernel: slice by slice, the host holds no second copy of what the group replaces."""
+    run = slice_program(program, chunks)
+    avals = program.out_avals
+    init = [ready[t] if t is not None else _host_zeros(aval) for t, aval in zip(targets, avals)]
+    init = [jnp.reshape(x, (chunks, -1)) for x in init]
+    from_carry = {p: targets.index(i) for p, i in enumerate(reads) if i in targets}
+    # Sliced along their first axis, which the host call's dynamic slices read alone (a
+    # reshape inside it would read the whole operand, as XLA:CPU compiles it).
+    size = _size(avals[0])
+    given = [
+        jnp.reshape(ready[i], (chunks, -1)) if _size(jax.typeof(ready[i])) == size else ready[i]
+        for i in reads
+    ]
+
+    def body(k: Any, carry: list) -> list:
+        current = [carry[from_carry[p]] if p in from_carry else x for p, x in enumerate(given)]
+        with jax.named_scope(scope):
+            parts = _traced_bind(run, [to_host(k), *current])
+        return [jax.lax.dynamic_update_index_in_dim(c, r, k, 0) for c, r in zip(carry, parts)]
+
+    final = jax.lax.fori_loop(0, chunks, body, init)
+    return [jnp.reshape(x, aval.shape) for x, aval in zip(final, avals)]
+
+
+def _traced_bind(fn: Callable[..., Any], operands: list) -> list:
+    """`fn(*operands)` (host-typed operands) traced and bound as one host computation."""
+    assert host_context is not None  # `on_host` refused to start without it
+    with host_context(HOST):
+        closed = jax.make_jaxpr(fn)(*[device_aval(x) for x in operands])
+    return list(bind(closed, operands))
+
+
+def _host_zeros(aval: Any) -> Any:
+    """A fresh buffer in host memory, made there (zeros: a sliced result's buffer that
+    replaces no operand)."""
+    return _traced_bind(lambda: [jnp.zeros(aval.shape, aval.dtype)], [])[0]
