@@ -25,6 +25,10 @@ busy time), and which resource bounds the step (the one busiest in the schedule)
     JAX_PLATFORMS=cpu python experiments/largest_models.py --smoke  # tiny, on h100: < 1 min
     JAX_PLATFORMS=cpu python experiments/largest_models.py          # both targets: ~3 min
     ... --targets h100 --configs 70B --host-budget 2.4e12 --tag _70b_2400   # one row
+    ... --targets gh200 --configs 30B --delay 0 --mu-dtype bfloat16 --largest-batch
+
+Undelayed (`--delay 0`) the frugal plan updates in slices written over the state
+(`update="host_sliced"`: the least host memory); `ox.fit` searches both ways.
 
 The default and `--full` runs take minutes per row on a 2-core machine (the README has the
 timings); `nox -s experiments` runs `--smoke`.
@@ -62,10 +66,22 @@ ROWS: dict[str, tuple[tuple[str, ...], float]] = {
 # The smoke run: the same structure at the tiny shape, batch 2.
 SMOKE = (("tiny",), 1e9)
 # The plan the step is declared with (what `ox.fit` replaces): ZeRO-Offload's placement,
-# the layers' inputs offloaded.
+# the layers' inputs offloaded. Undelayed, the update computed in slices written over the
+# state (`update="host_sliced"`): the least host memory; a delayed update is one host
+# computation either way.
 FRUGAL = ox.Strategy(
     "frugal", "pinned_host", "pinned_host", "remat", names={"block_input": "offload"}, update="host"
 )
+FRUGAL_SLICED = ox.Strategy(
+    "frugal_sliced", "pinned_host", "pinned_host", "remat", names={"block_input": "offload"},
+    update="host_sliced",
+)  # fmt: skip
+
+
+def frugal(delay: int) -> ox.Strategy:
+    return FRUGAL if delay else FRUGAL_SLICED
+
+
 # What others publish (the issue's marks): the largest model trained on one accelerator.
 PUBLISHED = [
     ("ZeRO-Offload (Ren et al., ATC'21)", "13B on one V100 (32 GB)"),
@@ -74,10 +90,11 @@ PUBLISHED = [
 ]
 
 
-def optimizer(delay: int = 1) -> Any:
+def optimizer(delay: int = 1, mu_dtype: Any = None) -> Any:
     """AdamW as ZeRO-Offload trains: float32 masters and moments in host memory, the
-    update on the host, delayed by `delay` steps."""
-    adamw = optax.adamw(1e-4, weight_decay=0.01)
+    update on the host, delayed by `delay` steps; with `mu_dtype`, the first moment in
+    that dtype (optax's `mu_dtype`: `jnp.bfloat16` saves 2 bytes a parameter)."""
+    adamw = optax.adamw(1e-4, weight_decay=0.01, mu_dtype=mu_dtype)
     return ox.offload_optimizer(adamw, update_on="host", delay=delay, master_dtype=jnp.float32)
 
 
@@ -111,13 +128,19 @@ def frugal_memory(step: Any, args: tuple, target: str) -> tuple[int, int]:
 
 
 def plan_one(
-    target: str, config: Config, host_budget: float, batch: int, compiles: int, delay: int = 1
+    target: str,
+    config: Config,
+    host_budget: float,
+    batch: int,
+    compiles: int,
+    delay: int = 1,
+    mu_dtype: Any = None,
 ) -> dict:
     """`ox.fit` within the device and `host_budget`, and its plan's row; or, where the
     most frugal plan is over a budget, why the model fits under no plan."""
     started = time.perf_counter()
     config = with_attention(config, target) if target != "cpu" else config
-    opt = optimizer(delay)
+    opt = optimizer(delay, mu_dtype)
     args = abstract_args(config, batch, opt)
     print(
         f"{config.name} ({config.parameters / 1e9:.1f}B) on {target}, host budget "
@@ -125,10 +148,11 @@ def plan_one(
         flush=True,
     )
     capacity = ox.TARGETS[target].capacity or 0
-    device, host = frugal_memory(make_step(opt, FRUGAL), args, target)
+    device, host = frugal_memory(make_step(opt, frugal(delay)), args, target)
     print(f"  frugal plan: device {device / GB:.1f} GB, host {host / GB:.1f} GB", flush=True)
     base = {"target": target, "config": config.name, "parameters": config.parameters,
             "host_budget": host_budget, "batch": batch, "seq": config.seq, "delay": delay,
+            "mu_dtype": None if mu_dtype is None else jnp.dtype(mu_dtype).name,
             "capacity": capacity, "frugal_device": device, "frugal_host": host}  # fmt: skip
     if device > capacity or host > host_budget:
         over = [f"device {device / GB:.1f} GB > {capacity / GB:.1f}"] if device > capacity else []
@@ -137,7 +161,7 @@ def plan_one(
                        "binds": ["device"] * (device > capacity) + ["host"] * (host > host_budget),
                        "wall_s": time.perf_counter() - started}  # fmt: skip
     result = ox.fit(
-        make_step(opt, FRUGAL),
+        make_step(opt, frugal(delay)),
         *args,
         target=target,
         host_budget=int(host_budget),
@@ -177,11 +201,13 @@ def plan_one(
     }
 
 
-def largest_batch(row: dict, config: Config, host_budget: float, delay: int) -> dict:
+def largest_batch(
+    row: dict, config: Config, host_budget: float, delay: int, mu_dtype: Any = None
+) -> dict:
     """For a row that fits: the largest batch of its plan within the device and the host
     budget (`ox.max_batch`), and that batch's predicted step (`ox.estimate`)."""
     started = time.perf_counter()
-    opt = optimizer(delay)
+    opt = optimizer(delay, mu_dtype)
     strategy = ox.Strategy(**row["strategy"])
     step = make_step(opt, strategy)
     batch = ox.max_batch(
@@ -206,6 +232,12 @@ def largest_batch(row: dict, config: Config, host_budget: float, delay: int) -> 
     }
 
 
+def _model(row: dict) -> str:
+    """The model and, where it is not float32, AdamW's first moment's dtype."""
+    mu = f", mu in {row['mu_dtype']}" if row.get("mu_dtype") else ""
+    return f"{row['config']} ({row['parameters'] / 1e9:.1f}B{mu})"
+
+
 def table(rows: list[dict]) -> str:
     header = ["target", "model", "plan", "batch", "step s", "tokens/s", "MFU 6NT",
               "device GB", "host GB", "link GB/step", "host update s", "budget binds",
@@ -213,7 +245,7 @@ def table(rows: list[dict]) -> str:
     body = [
         [
             f"{r['target']} ({r['host_budget'] / GB:.0f} GB host)",
-            f"{r['config']} ({r['parameters'] / 1e9:.1f}B)",
+            _model(r),
             f"does not fit: {r['why']}",
             f"{r['batch']} x {r['seq']}",
             *["-"] * 7,
@@ -223,7 +255,7 @@ def table(rows: list[dict]) -> str:
         if not r["fits"]
         else [
             f"{r['target']} ({r['host_budget'] / GB:.0f} GB host)",
-            f"{r['config']} ({r['parameters'] / 1e9:.1f}B)",
+            _model(r),
             r["plan"],
             f"{r['batch']} x {r['seq']}",
             f"{r['seconds']:.2f}",
@@ -260,12 +292,16 @@ def run(
     tag: str = "",
     delay: int = 1,
     largest: bool = False,
+    mu_dtype: Any = None,
 ) -> list[dict]:
     started = time.perf_counter()
     if size == "smoke":
         plans, compiles, batch = {"h100": SMOKE}, 4, batch or 2
     else:
-        plans, compiles = {t: ROWS[t] for t in (targets or list(ROWS))}, 8
+        # 12 compiles: each family of plans (base and placement) the count ranks first
+        # costs one to learn what its placement adds on the device (33B on the GH200:
+        # the 8 saving families are over it, the ninth compile fits)
+        plans, compiles = {t: ROWS[t] for t in (targets or list(ROWS))}, 12
         plans = {t: (tuple(configs or names), host_budget or budget)
                  for t, (names, budget) in plans.items()}  # fmt: skip
     rows = []
@@ -273,10 +309,11 @@ def run(
         if not target_available(target):
             continue
         for name in names:  # largest first, until one fits
-            row = plan_one(target, CONFIGS[name], budget, batch or BATCH, compiles, delay)
+            config = CONFIGS[name]
+            row = plan_one(target, config, budget, batch or BATCH, compiles, delay, mu_dtype)
             if row["fits"] and largest:
-                config = with_attention(CONFIGS[name], target)
-                row |= largest_batch(row, config, budget, delay)
+                config = with_attention(config, target)
+                row |= largest_batch(row, config, budget, delay, mu_dtype)
             rows.append(row)
             if row["fits"]:
                 break
@@ -309,11 +346,15 @@ def main() -> None:
         action="store_true",
         help="also the largest batch of each plan found (ox.max_batch within both budgets)",
     )
+    parser.add_argument(
+        "--mu-dtype", choices=("bfloat16",), help="AdamW's first moment in this dtype"
+    )
     args = parser.parse_args()
     size = "smoke" if args.smoke else "default"
+    mu_dtype = jnp.bfloat16 if args.mu_dtype else None
     run(
         size, args.targets, args.batch, args.host_budget, args.configs, args.tag, args.delay,
-        args.largest_batch,
+        args.largest_batch, mu_dtype,
     )  # fmt: skip
 
 
