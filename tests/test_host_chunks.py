@@ -200,8 +200,8 @@ def test_the_h100_host_update_in_slices_holds_no_second_copy(monkeypatch):
     """Split by parameter (`update="host"`), the host holds one parameter's results
     beside the state (3.5 MiB); in slices of 256 KiB (`update="host_sliced"`), nothing
     but the gradients sent to it (1 MiB), every result written over its donated buffer,
-    and a slice's results in device memory. Within the slices' bound, the two compile
-    alike."""
+    and a slice's results in device memory, crossing the link both ways. Within the
+    slices' bound, the two compile alike."""
     monkeypatch.setattr(host_chunks, "CHUNK_BYTES", 1 << 18)
     step, args = _h100_step("host")
     grads, model, state = args
@@ -213,6 +213,19 @@ def test_the_h100_host_update_in_slices_holds_no_second_copy(monkeypatch):
     assert sliced.host["alias"] == held, dict(sliced.host)
     assert sliced.host["temp"] <= _bytes(grads) + 1024, dict(sliced.host)
     assert 0 < sliced.device["temp"] <= 2 * (1 << 18), dict(sliced.device)
+    # The price, as the schedule has it: every result (new masters, moments and values,
+    # 7 MiB) comes down to the device as part of its host call and goes back to the host.
+    speeds = ox.TARGETS["h100"].speeds
+    assert speeds is not None
+    results = held - 4  # but Adam's count
+    times = [
+        ox.estimate(_h100_step(u)[0], *args, target="h100").simulation
+        for u in ("host", "host_sliced")
+    ]
+    assert times[0] is not None and times[1] is not None
+    down, up = results / speeds.h2d_bandwidth, results / speeds.d2h_bandwidth
+    assert times[1].busy["host"] >= times[0].busy["host"] + 0.99 * down, (times, down)
+    assert times[1].busy["d2h"] >= up, (times, up)
     monkeypatch.setattr(host_chunks, "CHUNK_BYTES", 1 << 30)
     whole = ox.memory_report(_h100_step("host_sliced")[0], *args, target="h100")
     assert dict(whole.host) == dict(split.host)
