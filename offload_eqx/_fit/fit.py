@@ -45,10 +45,11 @@ from .._base.progress import reporting
 from .._jit.jit import step_of
 from .._targets.devices import require_compiler
 from .._targets.targets import get_target
+from .order import check_by_simulation, compile_in_order
 from .price import find_space, price
 from .refine import refine
 from .result import FitResult, explain, result_of
-from .search import Search, check_by_simulation, compile_in_order
+from .search import Search
 
 _NO_BUDGET = "ox.fit: target {target!r} has no known device memory; pass `device_budget=` in bytes."
 

@@ -27,6 +27,8 @@ except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
     COMPUTE_ON = host_context = None
 
 HOST = "device_host"
+# The name scope of a group's host calls computed in slices (`_in_slices`).
+SLICES_SCOPE = "ox_host_slices"
 
 
 def device_aval(x: Any) -> Any:
@@ -153,7 +155,7 @@ def _in_slices(
 
     def body(k: Any, carry: list) -> list:
         current = [carry[from_carry[p]] if p in from_carry else x for p, x in enumerate(given)]
-        with jax.named_scope(scope):
+        with jax.named_scope(SLICES_SCOPE), jax.named_scope(scope):
             parts = _traced_bind(run, [to_host(k), *current])
         return [jax.lax.dynamic_update_index_in_dim(c, r, k, 0) for c, r in zip(carry, parts)]
 

@@ -42,6 +42,7 @@ from jax.core import Tracer, eval_jaxpr
 from .host_calls import (
     COMPUTE_ON,
     HOST,
+    SLICES_SCOPE,
     bind,
     chained,
     device_aval,
@@ -130,11 +131,14 @@ def writes_in_place(jaxpr: Any, platform: str) -> bool:
     """Whether the host update of a traced step can write the state into its donated
     arguments on `platform` without holding a second copy: inlined (XLA:CPU), or split
     into chained calls (`on_host(split=True)`: one update's name on several host
-    computations), each of whose temporaries is one group's."""
+    computations, or in slices), each of whose temporaries is one group's (or none)."""
     if host_inline(platform):
         return True
-    names = [name for name in host_computations(jaxpr) if name in HOST_UPDATE]
-    return any(names.count(name) > 1 for name in set(names))
+    found = [(name, stack) for name, stack in _host_stacks(jaxpr) if name in HOST_UPDATE]
+    names = [name for name, _ in found]
+    # A group computed in slices writes over the state even where it is the only call.
+    sliced = any(SLICES_SCOPE in stack for _, stack in found)
+    return sliced or any(names.count(name) > 1 for name in set(names))
 
 
 def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
@@ -194,15 +198,21 @@ def is_host_computation(eqn: Any) -> bool:
 def host_computations(jaxpr: Any) -> list[str]:
     """The name of every host computation of a (closed) jaxpr, at any depth
     (`"optimizer update"`; "host computation" where none was given)."""
+    return [name for name, _ in _host_stacks(jaxpr)]
+
+
+def _host_stacks(jaxpr: Any) -> list[tuple[str, str]]:
+    """`(name, name stack)` of every host computation of a (closed) jaxpr, at any depth."""
     found = []
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         if eqn.primitive.name == "compute_on" and eqn.params.get("compute_type") == HOST:
             stack = str(eqn.source_info.name_stack)
             start = stack.rfind(NAME_SCOPE + "[")
-            found.append(stack[start + len(NAME_SCOPE) + 1 :].split("]")[0] if start >= 0 else "")
+            name = stack[start + len(NAME_SCOPE) + 1 :].split("]")[0] if start >= 0 else ""
+            found.append((name, stack))
             continue
         for sub in jex.core.jaxprs_in_params(eqn.params):
-            found.extend(host_computations(sub))
+            found.extend(_host_stacks(sub))
     return found
 
 
