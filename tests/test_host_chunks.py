@@ -297,3 +297,28 @@ def test_fit_plans_the_sliced_update_where_the_whole_one_is_over_the_host_budget
 def test_a_sliced_update_on_the_host_needs_the_state_in_host_memory():
     with pytest.raises(ValueError, match=r"update='host_sliced' and optimizer='device'"):
         ox.Strategy("s", optimizer="device", update="host_sliced")
+
+
+def test_a_lone_group_in_slices_still_writes_over_the_state(small_slices):
+    """One parameter, no count (SGD): one group, one host call, in slices. It writes over
+    the state all the same, so the step donates the state (`writes_in_place`)."""
+    from offload_eqx._sharding.host_compute import writes_in_place
+
+    param = jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32)
+
+    def traced(sliced: bool):
+        def step(g, p):
+            def update(g, p):
+                return (p - 0.1 * g,)  # result 0 replaces argument 1 (`reuse`)
+
+            return on_host(
+                update, g, p, name="optimizer update", split=True, sliced=sliced,
+                reuse={0: 1},
+            )  # fmt: skip
+
+        return jax.make_jaxpr(step)(jnp.cos(param), param)
+
+    assert host_computations(traced(True)) == ["optimizer update"]
+    assert _count_loops(traced(True)) == 1 and _count_loops(traced(False)) == 0
+    assert writes_in_place(traced(True), "cuda")
+    assert not writes_in_place(traced(False), "cuda")
