@@ -16,7 +16,13 @@ import pytest
 import offload_eqx as ox
 import offload_eqx._optimizer.host as host_update
 from offload_eqx._sharding import host_chunks
-from offload_eqx._sharding.host_compute import host_computations, on_host, traced_for
+from offload_eqx._sharding.host_compute import (
+    host_computations,
+    on_host,
+    traced_for,
+    writes_in_place,
+)
+from offload_eqx._sharding.host_split import group_program, result_groups
 from offload_eqx._sharding.memory_space import is_host_typed
 
 
@@ -61,8 +67,6 @@ def _program(transform, params):
     ids=["adamw", "lion", "sgd_momentum", "trust_ratio", "adafactor"],
 )
 def test_only_an_elementwise_group_over_one_element_order_is_sliced(transform, sliced):
-    from offload_eqx._sharding.host_split import group_program, result_groups
-
     params = Pair(jnp.linspace(-1, 1, 64 * 32).reshape(64, 32), None)
     closed = _program(transform, params)
     large = [j for j, v in enumerate(closed.out_avals) if np.prod(v.shape) > 1]
@@ -302,8 +306,6 @@ def test_a_sliced_update_on_the_host_needs_the_state_in_host_memory():
 def test_a_lone_group_in_slices_still_writes_over_the_state(small_slices):
     """One parameter, no count (SGD): one group, one host call, in slices. It writes over
     the state all the same, so the step donates the state (`writes_in_place`)."""
-    from offload_eqx._sharding.host_compute import writes_in_place
-
     param = jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32)
 
     def traced(sliced: bool):
