@@ -21,6 +21,9 @@ each call's results are copied into the state's buffers, so the host holds the s
 plus one parameter's results, where one call for everything held every result beside the
 state (two copies). A global transform (`clip_by_global_norm`) reads every gradient for
 every result, and the update stays one call; so does a delayed one (see `_split_calls`).
+Under a plan with `update="host_sliced"`, each parameter's call whose results exceed a
+slice's bytes is computed a slice at a time, its results written over the state
+(`on_host(sliced=True, reuse=...)`): the host holds nothing of the update beside it.
 
 Global transforms run on the host with the rest: their reductions read every gradient
 once, which costs the host's memory bandwidth, against keeping every gradient on the
