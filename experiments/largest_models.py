@@ -300,7 +300,7 @@ def run(
     else:
         # 12 compiles: each family of plans (base and placement) the count ranks first
         # costs one to learn what its placement adds on the device (33B on the GH200:
-        # the 8 saving families are over it, the ninth compile fits)
+        # the eight families the count ranks first are over it, the ninth compile fits)
         plans, compiles = {t: ROWS[t] for t in (targets or list(ROWS))}, 12
         plans = {t: (tuple(configs or names), host_budget or budget)
                  for t, (names, budget) in plans.items()}  # fmt: skip
