@@ -324,3 +324,14 @@ def test_a_lone_group_in_slices_still_writes_over_the_state(small_slices):
     assert _count_loops(traced(True)) == 1 and _count_loops(traced(False)) == 0
     assert writes_in_place(traced(True), "cuda")
     assert not writes_in_place(traced(False), "cuda")
+
+
+def test_a_squeeze_keeps_the_order_and_a_large_constant_is_not_sliced():
+    x = jnp.ones((64, 32))
+    squeezed = jax.make_jaxpr(lambda g, p: [jnp.squeeze((p - g)[None], 0)])(x, x)
+    assert "squeeze" in str(squeezed)
+    assert host_chunks.chunk_count(squeezed, bound=4096) > 1
+    table = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
+    constant = jax.make_jaxpr(lambda g, p: [p - g * table])(x, x)
+    assert constant.consts  # the table is a constant of the program, given whole
+    assert host_chunks.chunk_count(constant, bound=4096) == 1

@@ -75,7 +75,9 @@ def _eval(jaxpr: Any, consts: Sequence, args: Sequence, size: int, length: int) 
             return var.val, False
         return env[var], sliced[var]
 
-    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+    for var, value in zip(jaxpr.constvars, consts):  # whole: a large one is not sliceable
+        env[var], sliced[var] = value, False
+    for var, value in zip(jaxpr.invars, args):
         env[var], sliced[var] = value, _size(var.aval) == size
     for eqn in jaxpr.eqns:
         pairs = [read(v) for v in eqn.invars]
@@ -103,7 +105,9 @@ def _apply(eqn: Any, values: list, flags: list, size: int, length: int) -> tuple
         return _bound(eqn, values), [False] * len(out_sizes)
     if out_sizes != [size] * len(out_sizes):
         raise NotSliceable(name)
-    if name in _SAME_ORDER and eqn.params.get("dimensions") is None and len(values) == 1:
+    # (`squeeze`'s `dimensions` are the axes of length one it drops: the order stays.)
+    transposes = name == "reshape" and eqn.params.get("dimensions") is not None
+    if name in _SAME_ORDER and not transposes and len(values) == 1:
         return [values[0]], [True]
     if name in ELEMENTWISE and all(f or _size(v.aval) == 1 for f, v in zip(flags, eqn.invars)):
         # A one-element operand beside slices is a scalar (its shape may be (1, 1)).
