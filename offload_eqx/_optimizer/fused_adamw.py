@@ -11,30 +11,36 @@ It replaces `MasterUpdate.values` where all of these hold, and nothing else:
 - the transformation is `optax.adam` or `optax.adamw` as optax 0.2 builds them (any
   learning rate or schedule, weight decay a number, its mask a tree or a function, Adam
   without Nesterov momentum, `mu_dtype` None or float32), recognised from the functions
-  optax chains (`recognise`), alone or last in an `optax.chain` (a global transform
-  before it, `global_transform=`: that part runs as optax computes it, then the
-  kernel); anything else (`optax.MultiSteps`, a chain of your own) runs as XLA
-  compiles it;
+  optax chains (`recognise`), alone or last in an `optax.chain` after
+  `optax.clip_by_global_norm` (the clipping runs as optax computes it, then the kernel;
+  with bfloat16 gradients); anything else (`optax.MultiSteps`, a chain of your own)
+  runs as XLA compiles it;
 - the masters and both moments are float32, the gradients and parameters bfloat16 or
   float32;
 - the program is traced for the CPU (`_sharding.host_compute.traced_platform`): the host
   computation of an XLA:GPU or XLA:TPU program runs optax's update as XLA compiles it
   (XLA:GPU compiles its host computations with an XLA:CPU inside the CUDA plugin, whose
   FFI registry does not hold this kernel);
-- the kernel could be built here (`ox.host_kernels()`).
+- the kernel was built when offload_eqx was installed and passes its checks
+  (`ox.host_kernels()`).
 
-The scalars of the step (the bias corrections `1 - b**t`, the learning rate at this
-count) are computed with the same XLA operations optax uses; the elementwise operations
-are the same float32 operations in the same order, each rounded on its own. XLA fuses
-some multiply-adds into one rounding where this kernel does not, so a moment or a master
-may differ from optax's in its last bit (as optax's results differ between two programs
-that fuse differently); the tests hold the kernel to the definition as they hold XLA.
+Equal to XLA, bit for bit. The scalars of the step (the bias corrections `1 - b**t`, the
+learning rate at this count) are computed with the same XLA operations optax uses, in
+the same program. The elementwise operations are the float32 operations XLA:CPU compiles
+optax's update to, with the same roundings: XLA's simplifier merges or inverts optax's
+divisions (`merged`: it merges them where the bias corrections serve more than one
+leaf), and LLVM contracts some multiply-adds into one rounding where the processor has
+fused multiply-add instructions (which ones depends on whether the gradient is loaded or
+computed in the loop: `computed`). `adamw.cc` says each, and the tests hold the kernel to
+XLA's own update of the same step, element for element, NaN, infinity and subnormal
+gradients included.
 """
 
 import contextlib
 import contextvars
 import dataclasses
 import numbers
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._kernels.build import target
+from .._kernels.load import target
 from .._sharding.host_compute import traced_platform
 from .state import is_none
 
@@ -177,9 +183,16 @@ def recognise(tx: Any) -> AdamW | None:
     if not isinstance(parts, tuple) or len(parts) < 2:
         return None
     spec = _adam_chain(parts[-1])
-    if spec is None or any(_adam_chain(p) is not None for p in parts[:-1]):
+    if spec is None or not all(_is_clip(p) for p in parts[:-1]):
         return None
     return dataclasses.replace(spec, prefix=parts[:-1])
+
+
+def _is_clip(update: Any) -> bool:
+    """Whether `update` is optax's `clip_by_global_norm`: the one transformation before
+    Adam whose arithmetic the kernel is held to (`adamw.cc`: XLA computes the clipped
+    gradient inside the moments' loop, and contracts as it does for a widened one)."""
+    return _is(_unwrapped(update), "clip_by_global_norm.<locals>.update_fn", "optax")
 
 
 def _decayed(spec: AdamW, wide: Any) -> list[bool] | None:
@@ -209,9 +222,10 @@ def _states(state: Any) -> tuple[Any, Any] | None:
     return adam, last if isinstance(last, optax.ScaleByScheduleState) else None
 
 
-def _scalars(spec: AdamW, adam: Any, schedule: Any) -> jax.Array:
+def _scalars(spec: AdamW, adam: Any, schedule: Any, merged: bool) -> jax.Array:
     """The kernel's scalars, computed as optax computes them (`tree_bias_correction`,
-    `scale_by_learning_rate`)."""
+    `scale_by_learning_rate`); `merged`: XLA merges the bias corrections' divisions into
+    one, as it does where they serve more than one leaf (`adamw.cc`)."""
     count: Any = optax.safe_increment(adam.count)
     c1 = (1 - spec.b1**count).astype(jnp.float32)
     c2 = (1 - spec.b2**count).astype(jnp.float32)
@@ -224,8 +238,20 @@ def _scalars(spec: AdamW, adam: Any, schedule: Any) -> jax.Array:
     b1, b2 = spec.b1, spec.b2
     return jnp.stack(
         [f32(1 - b1), f32(b1), f32(1 - b2), f32(b2), c1, c2]
-        + [f32(spec.eps_root), f32(spec.eps), f32(wd), step]
+        + [f32(spec.eps_root), f32(spec.eps), f32(wd), step, f32(float(merged))]
+        + [f32(float(bool(spec.prefix))), f32(float(xla_contracts()))]
     )
+
+
+def xla_contracts() -> bool:
+    """Whether XLA:CPU lets LLVM contract multiply-adds in this process: not where
+    `XLA_FLAGS` turns its backend's optimisations off (`--xla_backend_optimization_level=0`),
+    which compiles every float operation rounded on its own."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_backend_optimization_level" and value.strip() == "0":
+            return False
+    return True
 
 
 def _call(name: str, leaves: list[list], s: jax.Array, decayed: list[bool]) -> list[tuple]:
@@ -289,6 +315,10 @@ def fused_values(
     found = _by_master(master, (grads, master, adam.mu, adam.nu, like))
     if found is None or not _supported(*found[2]):
         return otherwise()
+    if spec.prefix and any(g.dtype != jnp.bfloat16 for g in found[2][0]):
+        # XLA contracts a clipped float32 gradient's moments otherwise than the kernel
+        # computes them: the update stays XLA's, bit for bit the definition.
+        return otherwise()
     wide = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
     decayed = _decayed(spec, wide)
     name = target("adamw")
@@ -303,7 +333,8 @@ def fused_values(
         if found is None or not _supported(*found[2]):
             return otherwise()
     structure, kept, leaves = found
-    s = _scalars(spec, adam, schedule)
+    merged = sum(1 for m in leaves[1] if m.size) > 1
+    s = _scalars(spec, adam, schedule, merged)
     outs = _call(name, leaves, s, decayed) if leaves[0] else []
     values, new_master, new_adam = _assemble(structure, kept, adam_inner, adam, schedule, outs)
     return values, new_master, (*prefix_states, new_adam) if spec.prefix else new_adam
