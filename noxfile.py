@@ -100,6 +100,7 @@ def lint(session: nox.Session) -> None:
     """ruff: `nox -s lint`."""
     session.install("ruff==0.17.6")
     paths = ("offload_eqx", "tests", "experiments", "docs/_hooks.py", "noxfile.py")
+    paths += ("hatch_build.py",)
     session.run("ruff", "check", *paths, *session.posargs)
     session.run("ruff", "format", "--check", *paths)
 

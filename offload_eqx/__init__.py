@@ -19,8 +19,8 @@ Import it as `import offload_eqx as ox`. The entry points, by task:
 - Optimizer state in host memory: `ox.offload_optimizer`, `ox.update_and_apply`
   (`delay=1`: the update of the previous step's gradients overlaps this step;
   `ox.apply_pending` applies the last ones). On the CPU, `optax.adam(w)` with float32
-  masters runs as one fused in-place kernel per leaf; `ox.host_kernels()` says whether
-  it was built here.
+  masters runs as one fused in-place kernel, XLA's arithmetic bit for bit, compiled when
+  offload_eqx was installed; `ox.host_kernels()` says whether this process uses it.
 - See what moves: `ox.audit`, `ox.no_implicit_transfers`, `step.plan(...)`.
 - Memory without the hardware: `ox.memory_report`, `ox.compare_memory`
   (`target="h100"` or `"tpu-v5p"`).
@@ -72,7 +72,7 @@ from ._inspect.transfer_report import (
 from ._jit.cache import clear_caches as clear_caches
 from ._jit.guard import no_implicit_transfers as no_implicit_transfers
 from ._jit.jit import FilterJit as FilterJit, filter_jit as filter_jit
-from ._kernels.build import host_kernels as host_kernels
+from ._kernels.load import host_kernels as host_kernels
 from ._optimizer.optimizer import (
     apply_pending as apply_pending,
     apply_updates as apply_updates,

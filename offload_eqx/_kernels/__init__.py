@@ -1,6 +1,8 @@
-"""Host kernels of our own, in C++ against XLA's FFI, built on first use with the
-system's compiler and called through `jax.ffi` (`build`): `adamw.cc`, AdamW on float32
-masters in one in-place pass (used by `_optimizer.fused_adamw`).
+"""Host kernels of our own, in C++ against XLA's FFI: compiled when the package is
+installed (`compile`, called by the build hook `hatch_build.py`), loaded only as they
+were built (`load`: owner, permissions, SHA-256) and called through `jax.ffi`:
+`adamw.cc`, AdamW on float32 masters in one in-place pass, XLA's arithmetic bit for bit
+(used by `_optimizer.fused_adamw`).
 
 May import nothing of the package; every layer from `_optimizer` up may import it.
 """

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels.build import target_name
+from .._kernels.load import target_name
 from .hlo import Computation, Instruction, Module, arrays
 
 # cuDNN's fused attention on an H100 SXM5 in BF16, head dimension 128, as the
