@@ -171,6 +171,15 @@ def preemption_handler():
     signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.fixture
+def ctrl_c_handler():
+    """Ctrl-C as Python takes it, `KeyboardInterrupt`, even where the tests were started
+    in the background (a shell's `&` starts them with SIGINT ignored, which Python keeps)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("stage", list(STAGES))
 @pytest.mark.parametrize("interrupt", ["ctrl_c", "sigterm"])
 def test_an_interrupted_save_leaves_nothing_once_it_returns(
@@ -179,8 +188,7 @@ def test_an_interrupted_save_leaves_nothing_once_it_returns(
     """Item 15: the interrupt reached the caller while Orbax's threads went on writing
     `_sharding`, data files and `commit_success.txt` into the removed directory. The save
     now runs in a thread of its own, stops where it can, and returns once it has."""
-    if interrupt == "sigterm":
-        request.getfixturevalue("preemption_handler")
+    request.getfixturevalue("preemption_handler" if interrupt == "sigterm" else "ctrl_c_handler")
     signum, raised = {
         "ctrl_c": (signal.SIGINT, KeyboardInterrupt),
         "sigterm": (signal.SIGTERM, SystemExit),
