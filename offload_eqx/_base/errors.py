@@ -68,6 +68,12 @@ class ImplicitTransferError(RuntimeError):
     """
 
 
+class DonatedInputError(ValueError, RuntimeError):
+    """A call given an array whose buffer an earlier call's donation deleted, naming its
+    leaf path. A `ValueError`, as jax 0.10 raises it, and a `RuntimeError`, as jax 0.12
+    does (code that catches either's catches this one)."""
+
+
 class UnhashableStaticError(TypeError, ValueError):
     """A non-array argument that cannot be part of the compile cache key. A `TypeError`,
     as Python calls an unhashable value, and a `ValueError`, as `jax.jit` and

@@ -36,6 +36,7 @@ import jax.extend as jex
 import numpy as np
 
 from .._base.errors import Violation
+from .._base.jax_private import without_dead_code
 from .._base.primitives import (
     DATA_MOVEMENT,
     STRUCTURAL,
@@ -88,12 +89,7 @@ def _is_drop(v) -> bool:
 
 def _dce(jaxpr):
     """Drop dead equations (XLA would): a transfer nobody uses is not a transfer."""
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
-    except Exception:  # private API: without it, only dropped outputs are skipped
-        return jaxpr
+    return without_dead_code(jaxpr)
 
 
 def _open(jaxpr):

@@ -19,10 +19,7 @@ from typing import Any
 
 import jax
 
-try:  # `eqx.clear_caches()` calls every function in this list
-    from equinox._caches import cache_clears as _EQUINOX_CLEARS
-except ImportError:  # pragma: no cover - the pinned equinox has it
-    _EQUINOX_CLEARS = []
+from .._base.equinox_private import cache_clears as _EQUINOX_CLEARS
 
 
 class Cache:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from jax.core import Tracer
 
+from .._base.errors import DonatedInputError
 from .._plan.leaf import is_key
 from .._plan.walk import ARRAY_TYPES, format_path
 from .guard import device_offenders
@@ -116,7 +117,7 @@ def _mistyped(error: Misplaced, arguments: Sequence[tuple[str, Any]], caller: st
 
 def donated_problem(
     arguments: Sequence[tuple[str, Any]], caller: str, donate: str
-) -> ValueError | None:
+) -> DonatedInputError | None:
     """The error for a call given arrays whose buffers were donated (deleted) before it,
     naming them (None: every argument is alive)."""
     deleted = [
@@ -128,7 +129,7 @@ def donated_problem(
         return None
     shown = _shown(deleted)
     one = len(deleted) == 1
-    return ValueError(
+    return DonatedInputError(
         _DONATED.format(
             caller=caller,
             paths=shown,

@@ -18,10 +18,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax._src.array import ArrayImpl  # the concrete jax.Array; no public name
 from jax.core import Tracer
 
 from .._base.errors import ImplicitTransferError, UnhashableStaticError, is_placement_mismatch
+from .._base.jax_private import ArrayImpl
 from .._plan.walk import ARRAY_TYPES, format_keys
 from .call_errors import abstract_problem, call_problem
 from .guard import explain, no_implicit_transfers

@@ -13,10 +13,9 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-from jax._src import core as _core  # private: whether a jaxpr trace encloses the call
-from jax._src.interpreters.partial_eval import DynamicJaxprTrace
 
 from .._base.errors import ImplicitTransferError
+from .._base.jax_private import DynamicJaxprTrace, current_trace
 from .._declare.strategy import Strategy, resolve_strategy
 from .._plan.plan import Plan
 from .._plan.walk import ARRAY_TYPES, format_keys
@@ -307,7 +306,7 @@ class FilterJit(eqx.Module):
 def _inside_jit() -> bool:
     """Whether a jaxpr trace (a `jax.jit`, a scan body, ...) encloses the current call,
     under any transformations of it; False under `jax.grad`/`jax.vmap` run eagerly."""
-    trace = _core.trace_ctx.trace
+    trace = current_trace()
     while trace is not None:
         if isinstance(trace, DynamicJaxprTrace):
             return True

@@ -19,10 +19,8 @@ from typing import Any
 import equinox as eqx
 import jax.extend as jex
 
-try:  # where Equinox keeps the message of the check that failed, and its format
-    from equinox import _jit as _equinox_jit
-except ImportError:  # pragma: no cover - the pinned equinox has it
-    _equinox_jit = None
+from .._base.equinox_private import equinox_jit as _equinox_jit
+from .._base.jax_private import CALLBACK_FAILED, CALLBACK_LOGGER
 
 _CALLBACKS = ("pure_callback", "io_callback", "debug_callback")
 # The name of the exception Equinox's callback raises, as it appears in JAX's error.
@@ -88,9 +86,7 @@ def equinox_error(error: BaseException) -> Exception | None:
 
 class _QuietCallbacks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.name == "jax._src.callback" and record.getMessage() == "jax.pure_callback failed"
-        )
+        return not (record.name == CALLBACK_LOGGER and record.getMessage() == CALLBACK_FAILED)
 
 
 _FILTER = _QuietCallbacks()
@@ -99,7 +95,7 @@ _FILTER = _QuietCallbacks()
 @contextlib.contextmanager
 def quiet_callback_failures() -> Iterator[None]:
     """Keep JAX's log line for a failed callback off the terminal: the error says it."""
-    logger = logging.getLogger("jax._src.callback")
+    logger = logging.getLogger(CALLBACK_LOGGER)
     logger.addFilter(_FILTER)
     try:
         yield

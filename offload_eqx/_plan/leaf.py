@@ -54,7 +54,7 @@ def current_sharding(leaf: Any) -> Any:
     """Where a leaf is now, if that is decided: not for a tracer (a call inside another
     trace: the outer program decides) nor for an uncommitted array (as under `jax.jit`,
     it goes where the committed arguments are)."""
-    if isinstance(leaf, Tracer) or not getattr(leaf, "_committed", True):
+    if isinstance(leaf, Tracer) or not getattr(leaf, "committed", True):
         return None
     return getattr(leaf, "sharding", None)
 

@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._base.equinox_private import SharedNode
 from .._declare.activations import Activations, Policy
 from .._declare.placement import Placement, field_placement
 
@@ -38,7 +39,7 @@ _MIRROR = Placement(memory="device", role="param")
 
 # Where `eqx.nn.Shared` ties a leaf to another, its pytree holds this marker instead of
 # the array, which `Shared.__call__` puts back: an array, as far as placements go.
-_SHARED_NODE: Any = getattr(getattr(eqx.nn, "_shared", None), "SharedNode", ())
+_SHARED_NODE: Any = SharedNode
 
 
 def holds_an_array(x: Any) -> bool:

@@ -56,6 +56,7 @@ from typing import Any
 import jax.extend as jex
 import numpy as np
 
+from .._base.jax_private import without_dead_code
 from .._base.primitives import STRUCTURAL, is_callback, phase_of
 from .._base.table import format_bytes
 from .._sharding.host_compute import DELAYED_SCOPE, is_host_computation
@@ -187,12 +188,7 @@ def _open(jaxpr):
 
 def _dce(jaxpr):
     """Drop dead equations (XLA would): work whose result nobody uses is not done."""
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
-    except Exception:  # private API: without it, everything traced is counted
-        return jaxpr
+    return without_dead_code(jaxpr)
 
 
 def _value(var, values: dict) -> Any:

@@ -11,20 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
+from .._base.jax_private import compute_on_p, extend_compute_type
 from . import host_chunks
 from .host_chunks import chunk_count, slice_program
 from .host_split import group_program, result_groups
 from .memory_space import is_host_typed, to_host
-
-try:  # the primitive behind `compute_on2` (jax 0.11: `compute_on`), bound with an explicit
-    # jaxpr, and the context that marks equations traced inside it (`compute_on` itself is
-    # a context manager in jax 0.10 and a function transform from 0.11; this is not).
-    from jax._src.compute_on import (
-        compute_on_p as COMPUTE_ON,
-        extend_compute_type as host_context,
-    )
-except ImportError:  # pragma: no cover - checked by the tests on the pinned jax
-    COMPUTE_ON = host_context = None
 
 HOST = "device_host"
 # The name scope of a group's host calls computed in slices (`_in_slices`).
@@ -56,8 +47,7 @@ def slots_of(out_shape: Any, with_path: list, reuse: dict[int, int], offset: int
 
 def bind(jaxpr: Any, operands: list) -> list:
     """One host computation of `jaxpr` (closed) on `operands`, its results in host memory."""
-    assert COMPUTE_ON is not None  # `on_host` refused to start without it
-    return COMPUTE_ON.bind(
+    return compute_on_p.bind(
         *operands,
         jaxpr=jaxpr,
         compute_type=HOST,
@@ -165,8 +155,7 @@ def _in_slices(
 
 def _traced_bind(fn: Callable[..., Any], operands: list) -> list:
     """`fn(*operands)` (host-typed operands) traced and bound as one host computation."""
-    assert host_context is not None  # `on_host` refused to start without it
-    with host_context(HOST):
+    with extend_compute_type(HOST):
         closed = jax.make_jaxpr(fn)(*[device_aval(x) for x in operands])
     return list(bind(closed, operands))
 

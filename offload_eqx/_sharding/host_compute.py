@@ -36,17 +36,15 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # private: closures, dead code
 from jax.core import Tracer, eval_jaxpr
 
+from .._base.jax_private import dce_jaxpr, extend_compute_type, separate_consts
 from .host_calls import (
-    COMPUTE_ON,
     HOST,
     SLICES_SCOPE,
     bind,
     chained,
     device_aval,
-    host_context,
     slots_of,
 )
 from .memory_space import is_host_typed, labelled, to_host
@@ -217,7 +215,7 @@ def _host_stacks(jaxpr: Any) -> list[tuple[str, str]]:
 
 
 def _separate_consts(closed: Any) -> tuple[Any, list]:
-    return pe.separate_consts(closed)
+    return separate_consts(closed)
 
 
 def _sharded_in_type(x: Any) -> bool:
@@ -258,12 +256,6 @@ def on_host(
     host memory first, explicitly, flattened to one dimension when `flatten`); other
     leaves are constants of the computation.
     """
-    if COMPUTE_ON is None or host_context is None:  # pragma: no cover
-        raise NotImplementedError(
-            f"offload_eqx's host computation needs `jax._src.compute_on.compute_on_p`, "
-            f"which jax {jax.__version__} does not have; use jax 0.10.2 or update the "
-            "optimizer to `update_on='device'`."
-        )
     dynamic, static = eqx.partition(args, eqx.is_array)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
     shapes = [np.shape(x) for _, x in with_path]
@@ -290,7 +282,7 @@ def on_host(
         values.append(out_values)
         return arrays
 
-    with host_context(HOST):
+    with extend_compute_type(HOST):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[device_aval(x) for x in sent]
         )
@@ -327,7 +319,7 @@ def on_host_if_cheap(
     key: a model built from it is computed where it will live); None otherwise, for the
     caller to compute on the device. Operands `fn` does not read are not sent."""
     closed = jax.make_jaxpr(fn)(*[device_aval(x) for x in operands])
-    jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    jaxpr, used = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     read = [x for x, u in zip(operands, used) if u]
     if sum(_nbytes(x) for x in read if not is_host_typed(x)) > limit:
         return None

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # private: dead code per group
 from jax.extend.core import ClosedJaxpr, Literal
+
+from .._base.jax_private import dce_jaxpr_consts
 
 _NONE: frozenset = frozenset()
 # Primitives whose one sub-jaxpr maps the equation's operands to its results.
@@ -116,6 +117,6 @@ def group_program(closed: ClosedJaxpr, group: Sequence[int]) -> tuple[ClosedJaxp
     """The computation of `group`'s results alone, and which operands it reads."""
     wanted = set(group)
     used = [i in wanted for i in range(len(closed.jaxpr.outvars))]
-    jaxpr, used_consts, used_operands = pe.dce_jaxpr_consts(closed.jaxpr, used)
+    jaxpr, used_consts, used_operands = dce_jaxpr_consts(closed.jaxpr, used)
     consts = [c for c, u in zip(closed.consts, used_consts) if u]
     return ClosedJaxpr(jaxpr, consts), list(used_operands)

@@ -5,7 +5,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax._src import core as _core  # private: the trace a tracer belongs to (`fetch_outside`)
+from jax.extend.core import set_current_trace
+
+from .._base.jax_private import current_trace, trace_of
 
 
 def is_host_typed(x: Any) -> bool:
@@ -49,10 +51,10 @@ _EQUINOX_CLOSURES = os.sep + "equinox" + os.sep + "_make_jaxpr.py"
 def captured_by_loop(x: Any) -> bool:
     """Whether `x`, a tracer, is closed over by a loop body or a branch traced now: a
     value of an outer trace that the body will take as a constant."""
-    own = getattr(x, "_trace", None)
+    own = trace_of(x)
     if own is None:
         return False
-    trace = _core.trace_ctx.trace
+    trace = current_trace()
     while trace is not None and trace is not own:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
         kind = getattr(info, "traced_for", None) or ""
@@ -80,7 +82,7 @@ def fetch_outside(x: Any) -> Any:
     """`fetch_kept` made in the trace the tracer `x` belongs to (outside the loop that
     captured it): the loop then closes over a device value, and its cotangent is summed
     on the device and sent back to host memory once."""
-    with _core.set_current_trace(x._trace):
+    with set_current_trace(trace_of(x)):
         return fetch_kept(x)
 
 

@@ -17,27 +17,23 @@ host (a scalar for `eqx.error_if`), neither priced nor counted in memory.
 import functools
 from typing import Any
 
-from jax._src import (
-    callback as _callback,  # private: the callback primitives
-    debugging as _debugging,
-)
-from jax._src.interpreters import mlir
+from jax.interpreters import mlir
 
+from .._base.jax_private import (
+    CALLBACK_PRIMITIVES,
+    full_like_aval,
+    lowerings,
+    platform_specific_lowerings,
+)
 from .._sharding.host_compute import deviceless_platform
 
 GPU_PLATFORMS = ("cuda", "rocm")
-_PRIMITIVES = (
-    _callback.pure_callback_p,
-    _callback.io_callback_p,
-    _debugging.debug_callback_p,
-    _debugging.debug_print_p,
-)
 
 
 def _jax_rule(primitive: Any, platform: str) -> Any:
     """The rule JAX lowers `primitive` with on `platform`: its own, else the common one."""
-    entry = mlir._platform_specific_lowerings[platform].get(primitive)
-    entry = entry or mlir._lowerings.get(primitive)
+    entry = platform_specific_lowerings[platform].get(primitive)
+    entry = entry or lowerings.get(primitive)
     return None if entry is None else entry.rule
 
 
@@ -47,7 +43,7 @@ def _lowering(jax_rule: Any) -> Any:
             return jax_rule(ctx, *args, **params)
         if ctx.tokens_in is not None and len(ctx.tokens_in):
             ctx.set_tokens_out(ctx.tokens_in)
-        return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
+        return [full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
 
     return rule
 
@@ -55,7 +51,7 @@ def _lowering(jax_rule: Any) -> Any:
 @functools.cache
 def lower_callbacks_as_zeros_in_deviceless_gpu_compiles() -> None:
     """Register the rule above for the GPU platforms, once per process."""
-    for primitive in _PRIMITIVES:
+    for primitive in CALLBACK_PRIMITIVES:
         for platform in GPU_PLATFORMS:
             jax_rule = _jax_rule(primitive, platform)
             if jax_rule is not None:

@@ -23,8 +23,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from jax._src import config as _jax_config  # private: the thread-local form of a setting
-
+from .._base.jax_private import persistent_cache_min_compile_time_secs
 from .devices import attached_devices
 from .targets import Target
 
@@ -79,7 +78,7 @@ def _kept_out_of_the_persistent_cache_if_deviceless(target: Target) -> Iterator[
         return
     with (
         warnings.catch_warnings(),
-        _jax_config.persistent_cache_min_compile_time_secs(float("inf")),
+        persistent_cache_min_compile_time_secs(float("inf")),
     ):
         warnings.filterwarnings(
             "ignore", message="Error reading persistent compilation cache entry"

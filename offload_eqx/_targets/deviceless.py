@@ -30,9 +30,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import config as _jax_config  # private: the context's concrete mesh
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._base.jax_private import context_mesh, context_mesh_set
 from .._declare.placement import MEMORIES
 from .._sharding.host_compute import (
     check_host_compute,
@@ -297,11 +297,8 @@ def _evaluated_here(flat: Callable[..., list], here: Any) -> Callable[..., list]
 
     @functools.wraps(flat)  # the program keeps the step's name
     def traced_here(*leaves: Any) -> list:
-        on_target = _jax_config.device_context.swap_local(here)
-        try:
+        with context_mesh_set(here):
             return flat(*leaves)
-        finally:
-            _jax_config.device_context.set_local(on_target)
 
     return traced_here
 
@@ -331,7 +328,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
 
     flat = program.flat_on(sharding_mesh)
     if abstract_mesh:
-        flat = _evaluated_here(flat, _jax_config.device_context.get_local())
+        flat = _evaluated_here(flat, context_mesh())
 
     def compile_with(out_shardings: list | None) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)

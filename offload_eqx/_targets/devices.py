@@ -17,6 +17,7 @@ import jax
 import jax.extend as jex
 import numpy as np
 
+from .._base.jax_private import cuda_versions
 from .targets import _EXTRAS, _TARGET_DIR, TARGETS, Target, get_target
 
 _MISSING_EXTRA = (
@@ -73,14 +74,11 @@ def require_compiler(target: Target) -> None:
 def _cudnn_problem() -> str | None:
     """Why cuDNN cannot be loaded (jax says "cuDNN not found." when tracing a cuDNN
     kernel without it), or None when it loads or jax gives no way to ask."""
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:  # private API: without it, the trace says what is missing
-        return None
-    if cuda_versions is None:
+    versions = cuda_versions()
+    if versions is None:
         return "jax loaded no CUDA plugin"
     try:
-        cuda_versions.cudnn_get_version()
+        versions.cudnn_get_version()
     except RuntimeError as e:
         return str(e).strip().rstrip(".")
     return None
