@@ -3,7 +3,9 @@
 // Registered with XLA as the FFI target "offload_eqx_adamw" on the CPU platform and
 // called once per update from `offload_eqx/_optimizer/fused_adamw.py` with every leaf:
 // operands `scalars`, then (g, m, mu, nu) per leaf; results (m', mu', nu', p') per leaf;
-// attribute `decay`, one int8 per leaf (1 where weight decay applies). The caller
+// attribute `flags`, one int8 per leaf (bit 0: weight decay applies; bit 1: XLA
+// contracts its multiply-adds, `fma` below; bit 2: it contracts the gradient's product
+// even where the gradient is widened). The caller
 // computes every scalar (the reciprocals of the bias corrections, the learning rate of
 // this step) with the same XLA operations optax's update compiles to.
 //
@@ -26,9 +28,11 @@
 //
 // `fma` is one rounding: XLA:CPU lets LLVM contract a multiply feeding an add where the
 // processor has fused multiply-add instructions, and these are the pairs it contracts
-// (read from its object code: x86-64 with FMA, jaxlib 0.10.2). Where the processor has
-// none, XLA rounds every operation on its own, and so does this kernel: each `fma` above
-// becomes a product and a sum, in that order. The file is compiled with
+// (read from its object code: x86-64 with FMA, jaxlib 0.10.2 and 0.12.0.1). Where the
+// processor has none, or the caller says XLA does not contract a leaf (its optimisations
+// off: `--xla_backend_optimization_level=0`, where jaxlib 0.12 still contracts a
+// rank-0 leaf, the gradient's product whatever its type: bit 2), XLA rounds every operation on its own, and so does this kernel: each
+// `fma` above becomes a product and a sum, in that order. The file is compiled with
 // -ffp-contract=off, so no contraction happens but these, written out; the variant is
 // chosen when the library is loaded (`__builtin_cpu_supports`), not at build time, so
 // one build serves every x86-64 processor.
@@ -85,7 +89,7 @@ OX_INLINE float MulAdd(float x, float y, float z) {
 }
 
 struct Scalars {
-  float k1, b1, k2, b2, c1, c2, eps_root, eps, wd, step, merged, computed, contract;
+  float k1, b1, k2, b2, c1, c2, eps_root, eps, wd, step, merged, computed;
   float r1, r2;  // 1 / c1 and 1 / c2, as XLA computes them (one division each)
 };
 
@@ -130,7 +134,7 @@ struct Leaf {
   float *m, *mu, *nu;
   void* p;
   int64_t n;
-  bool g_half, p_half, decay;
+  bool g_half, p_half, decay, contract, gradient_product;
 };
 
 template <typename G, typename P, bool kMerged, bool kFused, bool kComputed>
@@ -151,7 +155,9 @@ OX_INLINE void Rooted(const Leaf& l, int64_t lo, int64_t hi, const G* g, P* p,
 template <typename G, typename P, bool kMerged, bool kFused>
 OX_INLINE void Computed(const Leaf& l, int64_t lo, int64_t hi, const G* g, P* p,
                         const Scalars& s) {
-  if constexpr (sizeof(G) == 2) {  // widened: computed in the loop either way
+  if (l.gradient_product) {
+    Rooted<G, P, kMerged, kFused, false>(l, lo, hi, g, p, s);
+  } else if (sizeof(G) == 2) {  // widened: computed in the loop either way
     Rooted<G, P, kMerged, kFused, true>(l, lo, hi, g, p, s);
   } else if (s.computed != 0.0f) {
     Rooted<G, P, kMerged, kFused, true>(l, lo, hi, g, p, s);
@@ -183,12 +189,12 @@ OX_INLINE void ChunkOf(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) 
 #if defined(__x86_64__)
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 void ChunkAvx512(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) {
-  if (s.contract != 0.0f) ChunkOf<true>(l, lo, hi, s);
+  if (l.contract) ChunkOf<true>(l, lo, hi, s);
   else ChunkOf<false>(l, lo, hi, s);
 }
 __attribute__((target("avx2,fma,f16c")))
 void ChunkAvx2(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) {
-  if (s.contract != 0.0f) ChunkOf<true>(l, lo, hi, s);
+  if (l.contract) ChunkOf<true>(l, lo, hi, s);
   else ChunkOf<false>(l, lo, hi, s);
 }
 void ChunkPlain(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) {
@@ -213,7 +219,7 @@ const char* VariantName() {
 void Chunk(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) { kChunkFn(l, lo, hi, s); }
 #elif defined(__aarch64__)
 void Chunk(const Leaf& l, int64_t lo, int64_t hi, const Scalars& s) {
-  if (s.contract != 0.0f) ChunkOf<true>(l, lo, hi, s);
+  if (l.contract) ChunkOf<true>(l, lo, hi, s);
   else ChunkOf<false>(l, lo, hi, s);
 }
 const char* VariantName() { return "AArch64 with FMA"; }
@@ -260,7 +266,7 @@ ffi::Error Check(bool ok, const char* what) {
             : ffi::Error::InvalidArgument(std::string("offload_eqx_adamw: ") + what);
 }
 
-ffi::Error LeafAt(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i, bool decay,
+ffi::Error LeafAt(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i, int8_t flags,
                   Leaf& leaf) {
   auto g = args.get<ffi::AnyBuffer>(4 * i);
   auto m = args.get<ffi::Buffer<ffi::F32>>(4 * i + 1);
@@ -290,26 +296,27 @@ ffi::Error LeafAt(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i, 
   if (muo != mu->typed_data()) std::memcpy(muo, mu->typed_data(), n * 4);
   if (nuo != nu->typed_data()) std::memcpy(nuo, nu->typed_data(), n * 4);
   leaf = Leaf{g->untyped_data(), mo, muo, nuo, (*p_out)->untyped_data(), n,
-              Half(g->element_type()), Half((*p_out)->element_type()), decay};
+              Half(g->element_type()), Half((*p_out)->element_type()), (flags & 1) != 0,
+              (flags & 2) != 0, (flags & 4) != 0};
   return ffi::Error::Success();
 }
 
 ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                 ffi::RemainingRets rets, ffi::Span<const int8_t> decay) {
-  const size_t count = decay.size();
-  if (auto e = Check(scalars.element_count() == 13, "expected 13 scalars"); e.failure()) return e;
+                 ffi::RemainingRets rets, ffi::Span<const int8_t> flags) {
+  const size_t count = flags.size();
+  if (auto e = Check(scalars.element_count() == 12, "expected 12 scalars"); e.failure()) return e;
   if (auto e = Check(args.size() == 4 * count && rets.size() == 4 * count,
                      "expected 4 operands and 4 results per leaf");
       e.failure()) {
     return e;
   }
   auto work = std::make_shared<Work>();
-  std::memcpy(&work->s, scalars.typed_data(), 13 * sizeof(float));
+  std::memcpy(&work->s, scalars.typed_data(), 12 * sizeof(float));
   work->s.r1 = 1.0f / work->s.c1;
   work->s.r2 = 1.0f / work->s.c2;
   for (size_t i = 0; i < count; ++i) {
     Leaf leaf;
-    if (auto e = LeafAt(args, rets, i, decay[i] != 0, leaf); e.failure()) return e;
+    if (auto e = LeafAt(args, rets, i, flags[i], leaf); e.failure()) return e;
     work->leaves.push_back(leaf);
     for (int64_t lo = 0; lo < leaf.n; lo += kChunk) work->chunks.emplace_back(i, lo);
   }
@@ -325,7 +332,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OffloadEqxAdamW, AdamW,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<ffi::Span<const int8_t>>("decay"));
+                                  .Attr<ffi::Span<const int8_t>>("flags"));
 
 // Which arithmetic this process runs (`ox.host_kernels()` prints it).
 extern "C" const char* OffloadEqxAdamWVariant() { return VariantName(); }

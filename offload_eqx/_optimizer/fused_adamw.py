@@ -239,7 +239,7 @@ def _scalars(spec: AdamW, adam: Any, schedule: Any, merged: bool) -> jax.Array:
     return jnp.stack(
         [f32(1 - b1), f32(b1), f32(1 - b2), f32(b2), c1, c2]
         + [f32(spec.eps_root), f32(spec.eps), f32(wd), step, f32(float(merged))]
-        + [f32(float(bool(spec.prefix))), f32(float(xla_contracts()))]
+        + [f32(float(bool(spec.prefix)))]
     )
 
 
@@ -254,7 +254,24 @@ def xla_contracts() -> bool:
     return True
 
 
-def _call(name: str, leaves: list[list], s: jax.Array, decayed: list[bool]) -> list[tuple]:
+# From jax 0.11, XLA:CPU contracts a rank-0 leaf's multiply-adds even with its
+# optimisations off (its scalar code is emitted apart from its loops), the gradient's
+# product in the moments whatever the gradient's type.
+_SCALARS_CONTRACT = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _flags(decayed: list[bool], masters: list) -> np.ndarray:
+    """The kernel's `flags` per leaf (`adamw.cc`): bit 0 weight decay, bit 1 contracted
+    as XLA contracts, bit 2 the gradient's product contracted even where widened."""
+    everywhere = xla_contracts()
+    flags = []
+    for decays, master in zip(decayed, masters):
+        scalar = not everywhere and _SCALARS_CONTRACT and master.ndim == 0
+        flags.append(int(decays) | 2 * int(everywhere or scalar) | 4 * int(scalar))
+    return np.asarray(flags, np.int8)
+
+
+def _call(name: str, leaves: list[list], s: jax.Array, flags: np.ndarray) -> list[tuple]:
     """One kernel call for every leaf: `(new master, mu, nu, parameter)` per leaf."""
     grads, masters, mus, nus, likes = leaves
     operands, results, aliases = [s], [], {}
@@ -264,7 +281,7 @@ def _call(name: str, leaves: list[list], s: jax.Array, decayed: list[bool]) -> l
         results.append(jax.ShapeDtypeStruct(m.shape, like.dtype))
         aliases.update({1 + 4 * i + k: 4 * i + k - 1 for k in (1, 2, 3)})
     call = jax.ffi.ffi_call(name, results, input_output_aliases=aliases)
-    outs = call(*operands, decay=np.asarray(decayed, np.int8))
+    outs = call(*operands, flags=flags)
     return [tuple(outs[4 * i : 4 * i + 4]) for i in range(len(grads))]
 
 
@@ -335,7 +352,7 @@ def fused_values(
     structure, kept, leaves = found
     merged = sum(1 for m in leaves[1] if m.size) > 1
     s = _scalars(spec, adam, schedule, merged)
-    outs = _call(name, leaves, s, decayed) if leaves[0] else []
+    outs = _call(name, leaves, s, _flags(decayed, leaves[1])) if leaves[0] else []
     values, new_master, new_adam = _assemble(structure, kept, adam_inner, adam, schedule, outs)
     return values, new_master, (*prefix_states, new_adam) if spec.prefix else new_adam
 
