@@ -9,6 +9,7 @@ nox -s benchmarks       # dispatch overhead, audit time, step time, compiled FLO
 nox -s docs             # the documentation site into site/ (mkdocs --strict)
 """
 
+import glob
 import os
 
 import nox
@@ -17,7 +18,51 @@ nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "typecheck", "tests", "multidevice", "docs"]
 
-PYTHON = "3.11"
+
+def _python(version: str) -> str:
+    """Python `version`'s interpreter: pyenv's where it has one (its `python3.12` shim
+    answers only for the versions pyenv is told to use), else as nox finds it."""
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
+    return found[-1] if found else version
+
+
+# The JAX pairs the project is tested on, each pinned whole by constraints/jax-<jax>.txt:
+# the oldest JAX offload_eqx supports (0.10.2, on the oldest Python), and the newest JAX
+# served (0.12.0.1: JAX from 0.11 on needs Python 3.12). The README's and the docs'
+# printed numbers are the floor's compiler output (tests/snippets.py: elsewhere the
+# verdicts are compared). Everything runs on the floor; the newest JAX runs NEWEST_PART.
+FLOOR, NEWEST = "0.10.2", "0.12.0.1"
+PYTHON = _python("3.11")
+CELLS = [(PYTHON, FLOOR), (_python("3.12"), NEWEST)]
+CELL_IDS = ["floor", "newest"]
+# What the newest JAX runs: where offload_eqx meets JAX's and Equinox's private names and
+# XLA's behaviour (host computations, callbacks, deviceless compiles, the FFI kernel),
+# the users' everyday surface (annotate, filter_jit as Equinox's drop-in, audit, memory,
+# masters, layer splits, checkpoints), the README's examples and the published
+# libraries. Left to the floor: the planner's searches and the step-time model (pure
+# Python over XLA's text, the same on both; their compiles take the most time), the
+# real-model families under every strategy, the docs pages.
+NEWEST_PART = tuple(
+    f"tests/test_{name}.py"
+    for name in (
+        "annotate", "jit", "audit", "memory", "masters", "layer_split", "checkpoints",
+        "drop_in", "readme", "fused_adamw", "kernel_trust", "kernel_build", "host_split",
+        "host_chunks", "callbacks", "flops", "published_libraries", "jax_versions",
+    )
+)  # fmt: skip
+# The one XLA limit tested among the step-time model's tests.
+NEWEST_PART += (
+    "tests/test_schedule.py::"
+    "test_h100_a_host_computation_in_a_loop_returns_its_results_to_the_device",
+)
+
+
+def _install(session: nox.Session, jax: str, extras: str) -> None:
+    """The package with `extras`, every dependency at the version `jax`'s pair pins."""
+    session.install("-c", f"constraints/jax-{jax}.txt", "-e", f".[{extras}]")
+
+
 # A bare `import jax` with the CUDA plugin installed looks for a driver and prints errors;
 # this project only ever compiles for GPUs, so the platform is always chosen.
 CPU_ENV = {
@@ -48,12 +93,14 @@ def time_budget() -> tuple[str, ...]:
     return ("--time-budget",) if os.environ.get("OFFLOAD_EQX_TIME_BUDGET") == "1" else ()
 
 
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
+@nox.session
+@nox.parametrize("python,jax", CELLS, ids=CELL_IDS)
+def tests(session: nox.Session, jax: str) -> None:
     """Every single-process test, CPU unit tests and deviceless compiles in one pool of
-    workers (each keeps the other busy): `nox -s tests` (pytest options after `--`; only
-    the CPU unit tests: `-- -m "not deviceless and not multidevice"`)."""
-    session.install("-e", ".[test,checkpoint,cuda,tpu]")
+    workers (each keeps the other busy), on the floor JAX; `NEWEST_PART` on the newest:
+    `nox -s tests` (both), `nox -s "tests(floor)"` (pytest options after `--`; only the
+    CPU unit tests: `-- -m "not deviceless and not multidevice"`)."""
+    _install(session, jax, "test,checkpoint,cuda,tpu")
     # The slowest tests, printed at the end, and on CI a test's setup or call over the
     # budget (tests/time_budget.py) fails the run: the next feature cannot add minutes
     # unseen.
@@ -66,6 +113,7 @@ def tests(session: nox.Session) -> None:
     # serialising an executable for that cache; no default run has.
     env = {"JAX_ENABLE_COMPILATION_CACHE": "false"} if full else {}
     checks = every if full else ()
+    part = NEWEST_PART if jax == NEWEST and not full else ()
     _pytest(
         session,
         *PARALLEL,
@@ -74,6 +122,7 @@ def tests(session: nox.Session) -> None:
         *checks,
         "-m",
         "not multidevice",
+        *part,
         env=env,
     )
 
@@ -84,14 +133,16 @@ def multidevice(session: nox.Session) -> None:
     test runs them all in one child pytest with 8 devices, beside the tests that start
     processes of their own). With the `tpu` extra: a Pallas kernel on a 4-chip mesh is
     compiled for `tpu-v5p-4`."""
-    session.install("-e", ".[test,checkpoint,tpu]")
+    _install(session, FLOOR, "test,checkpoint,tpu")
     _pytest(session, *PARALLEL, "-m", "multidevice")
 
 
-@nox.session(python=PYTHON)
-def deviceless(session: nox.Session) -> None:
-    """Deviceless h100 and tpu-v5p memory reports: `nox -s deviceless`."""
-    session.install("-e", ".[test,checkpoint,cuda,tpu]")
+@nox.session
+@nox.parametrize("python,jax", CELLS, ids=CELL_IDS)
+def deviceless(session: nox.Session, jax: str) -> None:
+    """Deviceless h100 and tpu-v5p memory reports, each JAX with its own plugin and
+    libtpu: `nox -s deviceless` (`"deviceless(newest)"`: on the newest JAX only)."""
+    _install(session, jax, "test,checkpoint,cuda,tpu")
     _pytest(session, *PARALLEL, "-m", "deviceless")
 
 
@@ -108,14 +159,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """pyright on the package and the tests: `nox -s typecheck`."""
-    session.install("-e", ".[test,checkpoint,lint]")
+    _install(session, FLOOR, "test,checkpoint,lint")
     session.run("pyright", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def experiments(session: nox.Session) -> None:
     """All experiments on small defaults: `nox -s experiments` (`-- --full` for full sizes)."""
-    session.install("-e", ".[experiments,checkpoint,cuda,tpu]")
+    _install(session, FLOOR, "experiments,checkpoint,cuda,tpu")
     size = "--full" if "--full" in session.posargs else "--smoke"
     for script in sorted(os.listdir("experiments")):
         if script.endswith(".py") and not script.startswith("_"):
@@ -125,7 +176,7 @@ def experiments(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """The documentation site into `site/`: `nox -s docs` (`-- serve` to preview it)."""
-    session.install("-e", ".[docs]")
+    _install(session, FLOOR, "docs")
     # mkdocs-material prints a banner about its end of life on every build otherwise.
     env = {**CPU_ENV, "NO_MKDOCS_2_WARNING": "1"}
     if session.posargs[:1] == ["serve"]:
@@ -138,7 +189,7 @@ def docs(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     """Benchmarks (dispatch overhead, audit time, predicted step time, compiled FLOPs):
     `nox -s benchmarks`."""
-    session.install("-e", ".[test,cuda]")  # compiled_flops.py compiles for an H100
+    _install(session, FLOOR, "test,cuda")  # compiled_flops.py compiles for an H100
     for script in sorted(os.listdir("benchmarks")):
         if script.endswith(".py"):
             session.run("python", f"benchmarks/{script}", *session.posargs, env=CPU_ENV)

@@ -41,7 +41,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental.compute_on import compute_on  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
@@ -62,10 +61,21 @@ def adam(g, w, m, v):
     return w, m, v
 
 
-host_adam = compute_on("device_host")(jax.jit(adam))
+try:  # JAX's host-computation transform: `compute_on2` in jax 0.10, `compute_on` from 0.11
+    from jax.experimental.compute_on import compute_on2 as _compute_on  # noqa: E402
+except ImportError:
+    from jax.experimental.compute_on import compute_on as _compute_on  # noqa: E402
 
 
-@compute_on("device_host")
+def on_host(f):
+    """`f` as one host computation, its results in device memory."""
+    return _compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
+
+
+host_adam = on_host(jax.jit(adam))
+
+
+@on_host
 @jax.jit
 def host_adam_at(g, W, M, V, j):
     """Adam on layer `j` of the host stacks, sliced on the host."""

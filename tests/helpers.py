@@ -301,14 +301,23 @@ def to_bf16(tree):
     )
 
 
-def masters_reference(model32, loss, x, tx, steps: int, delay: bool = False, grad=None):
+def masters_reference(
+    model32, loss, x, tx, steps: int, delay: bool = False, grad=None, jit: bool = False
+):
     """Plain JAX + optax: float32 masters, the bfloat16 model cast from them, `tx` on the
     masters (updates in float32), `delay`: each step applies the previous step's
     gradients, the last ones applied at the end. Returns the masters. `grad(model, x)`:
-    the gradients (`jax.grad(loss)` by default)."""
+    the gradients (`jax.grad(loss)` by default). `jit`: each update one `jax.jit` (XLA
+    compiles it as one program, rounding as it does in a step), else run op by op."""
     grad = jax.grad(loss) if grad is None else grad
     masters = eqx.filter(model32, eqx.is_array)
     state, pending = tx.init(masters), None
+
+    def update(grads, state, masters):
+        updates, state = tx.update(grads, state, masters)
+        return optax.apply_updates(masters, updates), state
+
+    update = jax.jit(update) if jit else update
     for _ in range(steps):
         model = to_bf16(eqx.combine(masters, model32))
         grads = eqx.filter(grad(model, x), eqx.is_array)
@@ -317,11 +326,9 @@ def masters_reference(model32, loss, x, tx, steps: int, delay: bool = False, gra
             grads, pending = pending, grads
             if grads is None:
                 continue
-        updates, state = tx.update(grads, state, masters)
-        masters = optax.apply_updates(masters, updates)
+        masters, state = update(grads, state, masters)
     if pending is not None:
-        updates, state = tx.update(pending, state, masters)
-        masters = optax.apply_updates(masters, updates)
+        masters, state = update(pending, state, masters)
     return masters
 
 
@@ -348,3 +355,16 @@ def splash_step(heads: int, length: int, block: int) -> Callable:
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     return step
+
+
+try:  # JAX's host-computation transform: `compute_on2` in jax 0.10, `compute_on` from 0.11
+    from jax.experimental.compute_on import compute_on2 as _compute_on
+except ImportError:
+    from jax.experimental.compute_on import compute_on as _compute_on  # type: ignore
+_compute_on: Any = _compute_on
+
+
+def computed_on_host(f: Callable, out: Any = jax.memory.Space.Device) -> Callable:
+    """`f` as one host computation (JAX's `compute_on` transform, `device_host`), its
+    results in memory `out` (device memory unless told)."""
+    return _compute_on(f, compute_type="device_host", out_memory_spaces=out)

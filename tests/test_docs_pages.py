@@ -12,7 +12,7 @@ that build a mesh get 8 CPU devices (`--xla_force_host_platform_device_count=8`)
 from pathlib import Path
 
 import pytest
-from snippets import TARGET, blocks, lines, run_script
+from snippets import TARGET, as_printed, blocks, run_script
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 # Printed after each block, so the output of one block can be told from the next's.
@@ -45,6 +45,6 @@ def test_page_blocks_run(tmp_path, page):
     assert len(outputs) == len(found) + 1, done.stdout[-3000:]
     for i, ((code, expected), output) in enumerate(zip(found, outputs)):
         if expected is not None:
-            assert lines(output) == lines(expected), f"block {i} of {page.name}:\n{code}"
+            assert as_printed(output, expected), f"block {i} of {page.name}:\n{code}\n{output}"
     # Nothing on the terminal a reader is not told about: no XLA log lines, no warnings.
     assert done.stderr.strip() == "", done.stderr[-3000:]

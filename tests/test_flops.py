@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.experimental.compute_on import compute_on
+from helpers import computed_on_host
 from jaxtyping import Array, Float, PyTree
 
 from offload_eqx._planning.flops import PhaseWork, count_work
@@ -338,15 +338,11 @@ def test_rates_must_be_positive(rate):
 
 
 def test_compute_on_host_is_counted_apart():
-    @compute_on("device_host")
-    @jax.jit
-    def on_host(a):
-        return a @ a
+    on_host = computed_on_host(jax.jit(lambda a: a @ a))
 
     def f(a):
         b = a @ a  # device
-        with compute_on("device_host"):
-            c = jnp.sin(b)  # host
+        c = computed_on_host(jnp.sin)(b)  # host
         return on_host(c) * 2  # host dot, then a device multiply
 
     a = jnp.ones((N, N))

@@ -8,7 +8,7 @@ TPU target need the `cuda` / `tpu` extras, which only the deviceless session ins
 from pathlib import Path
 
 import pytest
-from snippets import TARGET, blocks, lines, run_script
+from snippets import TARGET, as_printed, blocks, run_script
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -34,6 +34,6 @@ def test_readme_block_runs_as_pasted(tmp_path, code, expected):
     done = run_script(code, tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     if expected is not None:
-        assert lines(done.stdout) == lines(expected)
+        assert as_printed(done.stdout, expected), done.stdout
     # Nothing on the terminal a reader is not told about: no XLA log lines, no warnings.
     assert done.stderr.strip() == "", done.stderr[-3000:]

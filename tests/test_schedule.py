@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import HostSquare, HostStack
+from helpers import HostSquare, HostStack, computed_on_host
 
 import offload_eqx as ox
 from offload_eqx import Speeds
@@ -363,18 +363,13 @@ def test_h100_a_host_computation_in_a_loop_returns_its_results_to_the_device():
     device memory), so each layer's state would cross the link twice. When this fails,
     XLA keeps them in host memory, and that design may pay."""
     _h100()
-    from jax.experimental.compute_on import compute_on
-
     from offload_eqx._targets.devices import target_mesh
 
     mesh = target_mesh("h100")
     spec = jax.sharding.PartitionSpec()
     host = jax.sharding.NamedSharding(mesh.abstract_mesh, spec, memory_kind="pinned_host")
 
-    @compute_on("device_host")
-    @jax.jit
-    def update(w, g):
-        return w - 0.1 * g
+    update = computed_on_host(jax.jit(lambda w, g: w - 0.1 * g))
 
     def step(W, G):
         def body(_, wg):
