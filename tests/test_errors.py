@@ -1,6 +1,9 @@
 """Bad input gets a clear error naming the path, the value, the allowed values and the fix;
 the user's model and optimizer state stay usable afterwards."""
 
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -709,3 +712,35 @@ def test_bad_input_is_refused_before_any_work(case, error, message):
     assert not any(x.is_deleted() for x in after)
     for x, y in zip(before, after):
         np.testing.assert_array_equal(x, np.asarray(y))
+
+
+_FRACTIONAL_THREADS = """
+import jax.numpy as jnp
+import offload_eqx as ox
+h100 = ox.TARGETS["h100"].speeds
+for make in (
+    lambda: ox.Speeds(**{**h100.__dict__, "host_threads": 1.5}),
+    lambda: ox.estimate(
+        ox.filter_jit(lambda x: x * 2), jnp.ones(4), target="cpu", compile=False
+    ).with_speeds(host_threads=1.5),
+):
+    try:
+        make()
+    except ValueError as error:
+        print(error)
+"""
+
+
+def test_a_fractional_thread_count_is_refused_with_the_fix():
+    """Round six: `ox.Speeds(host_threads=1.5)` and `with_speeds(host_threads=1.5)` were
+    accepted. In a process of its own: here the tests' runtime type checks refuse the
+    float first, which a user's process does not run."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FRACTIONAL_THREADS], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    messages = done.stdout.strip().splitlines()
+    assert len(messages) == 2
+    for message in messages:
+        assert message.startswith("ox.Speeds(host_threads=1.5): expected a whole number of")
+        assert "`ox.calibrate_host` counts them" in message

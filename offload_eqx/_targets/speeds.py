@@ -62,6 +62,12 @@ class Speeds:
             value = getattr(self, field.name)
             if field.name == "source":
                 continue
+            if field.name == "host_threads" and not _whole(value):
+                raise ValueError(
+                    f"ox.Speeds(host_threads={value!r}): expected a whole number of "
+                    "threads (0: a host computation priced at `host_bandwidth`); a "
+                    "computation runs on whole threads, `ox.calibrate_host` counts them."
+                )
             if field.name in _MAY_BE_ZERO and _positive_or_zero(value):
                 continue
             if not positive(value) or (field.name == "efficiency" and value > 1):
@@ -82,6 +88,11 @@ _MAY_BE_ZERO = (
     "host_threads",
     "host_thread_bandwidth",
 )
+
+
+def _whole(value: object) -> bool:
+    """A whole number >= 0 (an int or a NumPy integer, not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 def _positive_or_zero(value: object) -> bool:
