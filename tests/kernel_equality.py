@@ -117,9 +117,11 @@ def compare(name: str, layout: str, dtype: str, delay: int = 0, steps: int = 3):
 
 
 def main() -> None:
+    # Every transformation the kernel takes, on one leaf and on several (the in-process
+    # tests add the empty leaf and `MultiSteps`, which is XLA's on every path).
     cases = {}
-    for name in EXACT:
-        for layout in LAYOUTS:
+    for name in TRANSFORMATIONS | {"adam_eps_root": EXACT["adam_eps_root"]}:
+        for layout in ("one_leaf", "several"):
             for dtype in ("bfloat16", "float32"):
                 cases[f"{name}:{layout}:{dtype}:0"] = compare(name, layout, dtype)
     for layout in ("one_leaf", "several"):

@@ -103,7 +103,8 @@ def test_the_budget_is_asked_for_on_ci_only(monkeypatch):
     stub = types.ModuleType("nox")
     stub.options = types.SimpleNamespace()  # type: ignore[attr-defined]
     stub.Session = object  # type: ignore[attr-defined]
-    stub.session = lambda **_: lambda f: f  # type: ignore[attr-defined]
+    stub.session = lambda f=None, **_: f or (lambda g: g)  # type: ignore[attr-defined]
+    stub.parametrize = lambda *_, **__: lambda f: f  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nox", stub)
     spec = importlib.util.spec_from_file_location("noxfile", root / "noxfile.py")
     noxfile = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]

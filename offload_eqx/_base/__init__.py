@@ -1,5 +1,7 @@
 """The base layer: exception types, the one table formatter, the planners' option
-checks and progress lines, and what each JAX primitive means to the plan and the audit.
+checks and progress lines, what each JAX primitive means to the plan and the audit, and
+every private name of JAX (`jax_private`) and Equinox (`equinox_private`) the package
+uses, each looked up once, at import.
 
 May import nothing of the package; every other layer may import it.
 """
