@@ -92,7 +92,7 @@ _MAY_BE_ZERO = (
 
 def _whole(value: object) -> bool:
     """A whole number >= 0 (an int or a NumPy integer, not a bool)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 0)
 
 
 def _positive_or_zero(value: object) -> bool:
