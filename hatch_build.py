@@ -8,6 +8,7 @@ compiler) fails no install: its record says why, and the update runs as XLA comp
 """
 
 import importlib.util
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class KernelBuildHook(BuildHookInterface):
             manifest = compile_module.build_into(KERNELS)
         else:
             folder = Path(tempfile.mkdtemp(prefix="offload_eqx-kernels-"))
+            self._built = folder  # removed once the wheel holds its files (`finalize`)
             manifest = compile_module.build_into(folder)
             for path in folder.iterdir():
                 build_data["force_include"][str(path)] = f"offload_eqx/_kernels/{path.name}"
@@ -48,3 +50,8 @@ class KernelBuildHook(BuildHookInterface):
                     f"offload_eqx: host kernel {name!r} not built ({entry['error']}); the "
                     "optimizer update on the host runs as XLA compiles it"
                 )
+
+    def finalize(self, version: str, build_data: dict, artifact_path: str) -> None:
+        built = getattr(self, "_built", None)
+        if built is not None:
+            shutil.rmtree(built, ignore_errors=True)
