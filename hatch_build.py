@@ -1,7 +1,7 @@
 """The package's build hook (hatchling): the host kernels compiled with the package.
 
-For a wheel, `offload_eqx/_kernels/compile.py` builds each kernel into a temporary folder
-whose files the wheel carries into `offload_eqx/_kernels/`, and the wheel is tagged for
+For a wheel, `offload_eqx/_host/kernels/compile.py` builds each kernel into a temporary folder
+whose files the wheel carries into `offload_eqx/_host/kernels/`, and the wheel is tagged for
 this platform. For an editable install (`pip install -e .`) it builds them into the
 source tree, where the package runs from. A kernel that cannot be built (no C++
 compiler) fails no install: its record says why, and the update runs as XLA compiles it.
@@ -15,7 +15,7 @@ from pathlib import Path
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 ROOT = Path(__file__).parent
-KERNELS = ROOT / "offload_eqx" / "_kernels"
+KERNELS = ROOT / "offload_eqx" / "_host" / "kernels"
 
 
 def _compile_module():
@@ -41,7 +41,7 @@ class KernelBuildHook(BuildHookInterface):
             self._built = folder  # removed once the wheel holds its files (`finalize`)
             manifest = compile_module.build_into(folder)
             for path in folder.iterdir():
-                build_data["force_include"][str(path)] = f"offload_eqx/_kernels/{path.name}"
+                build_data["force_include"][str(path)] = f"offload_eqx/_host/kernels/{path.name}"
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
         for name, entry in manifest["kernels"].items():

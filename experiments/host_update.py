@@ -53,7 +53,7 @@ import optax  # noqa: E402
 from _report import RESULTS, format_table, pyplot, target_available  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
-from offload_eqx._sharding import host_compute as _host_compute  # noqa: E402
+from offload_eqx._host import compute as _host_compute  # noqa: E402
 
 LAYERS, DIM, BATCH = 8, 1024, 256
 P = DIM * DIM * 4

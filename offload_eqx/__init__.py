@@ -72,7 +72,7 @@ from ._inspect.transfer_report import (
 from ._jit.cache import clear_caches as clear_caches
 from ._jit.guard import no_implicit_transfers as no_implicit_transfers
 from ._jit.jit import FilterJit as FilterJit, filter_jit as filter_jit
-from ._kernels.load import host_kernels as host_kernels
+from ._host.kernels.load import host_kernels as host_kernels
 from ._optimizer.optimizer import (
     apply_pending as apply_pending,
     apply_updates as apply_updates,

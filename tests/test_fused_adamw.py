@@ -1,5 +1,5 @@
 """The host kernel for `optax.adam(w)` on float32 masters (`_optimizer/fused_adamw.py`,
-`_kernels/adamw.cc`): which transformations it takes, that it is what the CPU runs (one
+`_host/kernels/adamw.cc`): which transformations it takes, that it is what the CPU runs (one
 custom call per leaf, state written in place), that it equals the plain JAX + optax
 definition, and that everything else (other transformations, bfloat16 moments, another
 platform, no compiler) runs as XLA compiles it and equals the definition too."""
@@ -33,7 +33,7 @@ from snippets import PRINTED_WITH
 
 import offload_eqx as ox
 from offload_eqx._inspect.memory_report import compiled_report
-from offload_eqx._kernels.load import host_kernels
+from offload_eqx._host.kernels.load import host_kernels
 from offload_eqx._optimizer import fused_adamw
 from offload_eqx._optimizer.fused_adamw import recognise
 from offload_eqx._targets.deviceless import program_of_step

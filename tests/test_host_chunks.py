@@ -15,14 +15,14 @@ import pytest
 
 import offload_eqx as ox
 import offload_eqx._optimizer.host as host_update
-from offload_eqx._sharding import host_chunks
-from offload_eqx._sharding.host_compute import (
+from offload_eqx._host import chunks as host_chunks
+from offload_eqx._host.compute import (
     host_computations,
     on_host,
     traced_for,
     writes_in_place,
 )
-from offload_eqx._sharding.host_split import group_program, result_groups
+from offload_eqx._host.split import group_program, result_groups
 from offload_eqx._sharding.memory_space import is_host_typed
 
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import offload_eqx as ox
-from offload_eqx._sharding.host_compute import host_computations, on_host
+from offload_eqx._host.compute import host_computations, on_host
 
 
 class Params(eqx.Module):

@@ -77,7 +77,7 @@ def test_limit_a_host_computations_results_get_buffers_of_their_own():
 _ABORTS = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
-    from offload_eqx._kernels.load import target
+    from offload_eqx._host.kernels.load import target
     from offload_eqx._targets.devices import target_mesh
     import sys
     sys.path.insert(0, "tests")

@@ -1,4 +1,4 @@
-"""The host kernels' build at install time (`offload_eqx/_kernels/compile.py`, called by
+"""The host kernels' build at install time (`offload_eqx/_host/kernels/compile.py`, called by
 `hatch_build.py`): the compiler a user names, with its arguments, or the reason none was
 found, recorded for the loader; a library that appears whole or not at all, even when
 the build is killed."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from offload_eqx._kernels import compile as kernels
-from offload_eqx._kernels.compile import MANIFEST, build_into
+from offload_eqx._host.kernels import compile as kernels
+from offload_eqx._host.kernels.compile import MANIFEST, build_into
 
 # A stand-in compiler: records its arguments, writes part of its output, says it has
 # started, and (with SLOW set) waits to be killed.
@@ -73,7 +73,7 @@ def test_without_a_compiler_the_record_says_so_and_the_loader_repeats_it(tmp_pat
     script = textwrap.dedent(
         f"""
         from pathlib import Path
-        from offload_eqx._kernels import load
+        from offload_eqx._host.kernels import load
         load.KERNEL_DIR = Path({str(tmp_path / "kernels")!r})
         import offload_eqx as ox
         print(ox.host_kernels()["adamw"])

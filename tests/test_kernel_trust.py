@@ -1,4 +1,4 @@
-"""The host kernel is loaded only as the package built it (`offload_eqx/_kernels/load.py`).
+"""The host kernel is loaded only as the package built it (`offload_eqx/_host/kernels/load.py`).
 
 Each case runs in a process of its own, on a copy of the built kernel's folder damaged as
 users' machines damage it, or beside libraries planted where the kernel used to be
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from offload_eqx._kernels.compile import MANIFEST
-from offload_eqx._kernels.load import HERE
+from offload_eqx._host.kernels.compile import MANIFEST
+from offload_eqx._host.kernels.load import HERE
 
 # A library that runs code as it is loaded and has the kernel's symbols: what an attacker
 # would plant.
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
-    from offload_eqx._kernels import load
+    from offload_eqx._host.kernels import load
     if sys.argv[1] != "-":
         load.KERNEL_DIR = Path(sys.argv[1])
     import jax.numpy as jnp, optax

@@ -8,9 +8,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "offload_eqx"
 # Bottom layer first: a folder may import the folders before it.
 LAYERS = (
     "_base",
-    "_kernels",
     "_declare",
     "_sharding",
+    "_host",
     "_plan",
     "_trace",
     "_arrays",

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from .._planning.traced_time import PHASES, Delta, Load, load_of, predict
-from .._sharding.host_compute import host_inline, host_update_problem
+from .._host.compute import host_inline, host_update_problem
 from .search import Search
 from .space import (
     EXHAUSTIVE_NAMES,

@@ -24,7 +24,7 @@ from jax.core import eval_jaxpr
 from .._arrays.place import match_type
 from .._plan.plan import LeafPlan, Plan
 from .._plan.walk import format_keys, is_array_leaf
-from .._sharding.host_compute import (
+from .._host.compute import (
     HOST_UPDATE,
     check_host_compute,
     compiler_options,

@@ -15,7 +15,7 @@ import jax.extend
 import numpy as np
 import optax
 
-from .._sharding.host_chunks import ELEMENTWISE
+from .._host.chunks import ELEMENTWISE
 from .fused_adamw import optax_only
 from .state import NAME, call_update, eval_shape
 

@@ -3,7 +3,7 @@
 XLA:CPU compiles an update as one loop per result: Adam's `mu`, `nu`, the master and the
 parameter cast from it are four passes over memory, 42 bytes a bfloat16 parameter, with
 a division and a square root per element in two of them. The host kernel `adamw`
-(`offload_eqx/_kernels/adamw.cc`), called once for every leaf, reads the gradient, the
+(`offload_eqx/_host/kernels/adamw.cc`), called once for every leaf, reads the gradient, the
 master and both moments once and writes the moments and the master in place and the
 parameter beside them: 28 bytes, on every thread of XLA's intra-op pool.
 
@@ -17,7 +17,7 @@ It replaces `MasterUpdate.values` where all of these hold, and nothing else:
   runs as XLA compiles it;
 - the masters and both moments are float32, the gradients and parameters bfloat16 or
   float32;
-- the program is traced for the CPU (`_sharding.host_compute.traced_platform`): the host
+- the program is traced for the CPU (`_host.compute.traced_platform`): the host
   computation of an XLA:GPU or XLA:TPU program runs optax's update as XLA compiles it
   (XLA:GPU compiles its host computations with an XLA:CPU inside the CUDA plugin, whose
   FFI registry does not hold this kernel);
@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._kernels.load import target
-from .._sharding.host_compute import traced_platform
+from .._host.kernels.load import target
+from .._host.compute import traced_platform
 from .state import is_none
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

@@ -2,7 +2,7 @@
 whole-state `ox.offload_optimizer` under a strategy with `update="host"`).
 
 The whole `optax` update (global transforms such as `clip_by_global_norm` included) is one
-host computation (`_sharding.host_compute.on_host`). Its operands:
+host computation (`_host.compute.on_host`). Its operands:
 
 - the state, in host memory already: read and written there, never fetched;
 - the gradients: sent to host memory once, explicitly (gradients of host-resident
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from .._declare.strategy import HOST_UPDATES
-from .._sharding.host_compute import host_inline, on_host, traced_platform
+from .._host.compute import host_inline, on_host, traced_platform
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
 from .delayed import Delayed, as_pending, delayed_tx, when_ready, zeros
 from .masters import value_writer

@@ -13,7 +13,7 @@ from jax.core import Tracer
 from .._declare.placement import Placement
 from .._plan.of_trees import state_plan
 from .._plan.walk import is_array_leaf
-from .._sharding.host_compute import on_host_if_cheap
+from .._host.compute import on_host_if_cheap
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
 
@@ -248,7 +248,7 @@ def init_in_place(init_on_device: Callable[[Any], Any], params: Any) -> Any:
 
 
 def flatten_transfers() -> bool:
-    """Whether arrays sent to a host computation may be flattened (see `_sharding.host_compute`):
+    """Whether arrays sent to a host computation may be flattened (see `_host.compute`):
     on one device, where a reshape cannot reshard."""
     plan = active_plan()
     return plan is None or plan.mesh is None or plan.mesh.size == 1

@@ -59,7 +59,7 @@ import numpy as np
 from .._base.jax_private import without_dead_code
 from .._base.primitives import STRUCTURAL, is_callback, phase_of
 from .._base.table import format_bytes
-from .._sharding.host_compute import DELAYED_SCOPE, is_host_computation
+from .._host.compute import DELAYED_SCOPE, is_host_computation
 from .fused import KernelCost, Key, eqn_cost, kernel_key, pallas_name
 
 PHASES = ("forward", "backward", "update")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels.load import target_name
+from .._host.kernels.load import target_name
 from .hlo import Computation, Instruction, Module, arrays
 
 # cuDNN's fused attention on an H100 SXM5 in BF16, head dimension 128, as the
@@ -60,7 +60,7 @@ _CUDNN_PRIMITIVES = {
     "dot_product_attention_bwd": True,
     "dot_product_attention_bwd_wrapper": True,
 }
-# offload_eqx's own host kernels (`_kernels`), by their XLA target.
+# offload_eqx's own host kernels (`_host.kernels`), by their XLA target.
 HOST_KERNELS = {target_name("adamw"): "offload_eqx's AdamW host kernel"}
 # Primitives that run a kernel XLA cannot see into.
 _OPAQUE = frozenset({"ffi_call", "tpu_custom_call", "triton_kernel_call", "mosaic_gpu_call"})

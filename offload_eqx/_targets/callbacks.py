@@ -7,7 +7,7 @@ backend; a process without a GPU has none, and the compile fails with JAX's "Unk
 backend: 'gpu' requested, but no platforms that are instances of gpu are present". A
 deviceless compile (`ox.memory_report`, `ox.estimate`, `ox.fit` for `target="h100"`)
 only wants the program's memory and schedule, and never runs it: so while one lowers
-(`_sharding.host_compute.traced_for`), each callback is lowered as zeros of its results
+(`_host.compute.traced_for`), each callback is lowered as zeros of its results
 (tokens passed through), and everywhere else exactly as JAX lowers it.
 
 What that leaves out: the callback's own host work and the copy of its operands to the
@@ -25,7 +25,7 @@ from .._base.jax_private import (
     lowerings,
     platform_specific_lowerings,
 )
-from .._sharding.host_compute import deviceless_platform
+from .._host.compute import deviceless_platform
 
 GPU_PLATFORMS = ("cuda", "rocm")
 

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base.jax_private import context_mesh, context_mesh_set
 from .._declare.placement import MEMORIES
-from .._sharding.host_compute import (
+from .._host.compute import (
     check_host_compute,
     compiler_options,
     traced_for,

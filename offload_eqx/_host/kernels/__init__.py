@@ -2,7 +2,8 @@
 installed (`compile`, called by the build hook `hatch_build.py`), loaded only as they
 were built (`load`: owner, permissions, SHA-256) and called through `jax.ffi`:
 `adamw.cc`, AdamW on float32 masters in one in-place pass, XLA's arithmetic bit for bit
-(used by `_optimizer.fused_adamw`).
+(used by `_optimizer.fused_adamw`); `gpu_host` registers them with the CUDA plugin's host
+compiler too, once a child process has proven that safe.
 
-May import nothing of the package; every layer from `_optimizer` up may import it.
+May import nothing of the package but `_base` (the build hook runs `compile` alone).
 """

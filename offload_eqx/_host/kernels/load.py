@@ -218,7 +218,7 @@ def host_kernels() -> dict[str, str]:
 
     Example:
         >>> ox.host_kernels()  # doctest: +SKIP
-        {'adamw': 'loaded from .../offload_eqx/_kernels/_adamw.so (x86-64 AVX-512 with FMA)'}
+        {'adamw': 'loaded from .../offload_eqx/_host/kernels/_adamw.so (x86-64 AVX-512 with FMA)'}
     """
     for name in KERNELS:
         target(name)

@@ -39,7 +39,7 @@ import numpy as np
 from jax.core import Tracer, eval_jaxpr
 
 from .._base.jax_private import dce_jaxpr, extend_compute_type, separate_consts
-from .host_calls import (
+from .calls import (
     HOST,
     SLICES_SCOPE,
     bind,
@@ -47,7 +47,7 @@ from .host_calls import (
     device_aval,
     slots_of,
 )
-from .memory_space import is_host_typed, labelled, to_host
+from .._sharding.memory_space import is_host_typed, labelled, to_host
 
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
