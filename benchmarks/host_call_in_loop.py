@@ -44,8 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
-from offload_eqx._planning.schedule import simulate  # noqa: E402
 from offload_eqx._host.compute import OVERLAP_OPTIONS  # noqa: E402
+from offload_eqx._planning.schedule import simulate  # noqa: E402
 from offload_eqx._targets.devices import target_mesh  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

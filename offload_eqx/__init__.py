@@ -56,6 +56,7 @@ from ._declare.placement import Placement as Placement, field as field
 from ._declare.strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._fit.fit import fit as fit
 from ._fit.result import Candidate as Candidate, FitResult as FitResult
+from ._host.kernels.load import host_kernels as host_kernels
 from ._inspect.audit import audit as audit
 from ._inspect.jaxpr_walk import host_compute as host_compute
 from ._inspect.memory_report import (
@@ -72,7 +73,6 @@ from ._inspect.transfer_report import (
 from ._jit.cache import clear_caches as clear_caches
 from ._jit.guard import no_implicit_transfers as no_implicit_transfers
 from ._jit.jit import FilterJit as FilterJit, filter_jit as filter_jit
-from ._host.kernels.load import host_kernels as host_kernels
 from ._optimizer.optimizer import (
     apply_pending as apply_pending,
     apply_updates as apply_updates,

@@ -32,8 +32,8 @@ from kernel_equality import (
 from snippets import PRINTED_WITH
 
 import offload_eqx as ox
-from offload_eqx._inspect.memory_report import compiled_report
 from offload_eqx._host.kernels.load import host_kernels
+from offload_eqx._inspect.memory_report import compiled_report
 from offload_eqx._optimizer import fused_adamw
 from offload_eqx._optimizer.fused_adamw import recognise
 from offload_eqx._targets.deviceless import program_of_step

@@ -12,8 +12,8 @@ choices made alone (names interact little: each is its own tensor). Up to
 import dataclasses
 from typing import Any
 
-from .._planning.traced_time import PHASES, Delta, Load, load_of, predict
 from .._host.compute import host_inline, host_update_problem
+from .._planning.traced_time import PHASES, Delta, Load, load_of, predict
 from .search import Search
 from .space import (
     EXHAUSTIVE_NAMES,

@@ -12,10 +12,10 @@ import numpy as np
 from jax.core import ShapedArray
 
 from .._base.jax_private import compute_on_p, extend_compute_type
+from .._sharding.memory_space import is_host_typed, to_host
 from . import chunks as host_chunks
 from .chunks import chunk_count, slice_program
 from .split import group_program, result_groups
-from .._sharding.memory_space import is_host_typed, to_host
 
 HOST = "device_host"
 # The name scope of a group's host calls computed in slices (`_in_slices`).

@@ -39,6 +39,7 @@ import numpy as np
 from jax.core import Tracer, eval_jaxpr
 
 from .._base.jax_private import dce_jaxpr, extend_compute_type, separate_consts
+from .._sharding.memory_space import is_host_typed, labelled, to_host
 from .calls import (
     HOST,
     SLICES_SCOPE,
@@ -47,7 +48,6 @@ from .calls import (
     device_aval,
     slots_of,
 )
-from .._sharding.memory_space import is_host_typed, labelled, to_host
 
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 

@@ -46,8 +46,8 @@ from .._base.primitives import (
     is_var,
     phase_of,
 )
-from .._plan.remat_policy import module_in
 from .._host.compute import NAME_SCOPE as HOST_NAME_SCOPE, is_host_computation
+from .._plan.remat_policy import module_in
 from .._sharding.memory_space import FETCH_SCOPE, is_host_aval as _is_host, label_in
 from .destinations import destinations
 from .transfer_report import HostComputation, Transfer

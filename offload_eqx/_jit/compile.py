@@ -22,8 +22,6 @@ import numpy as np
 from jax.core import eval_jaxpr
 
 from .._arrays.place import match_type
-from .._plan.plan import LeafPlan, Plan
-from .._plan.walk import format_keys, is_array_leaf
 from .._host.compute import (
     HOST_UPDATE,
     check_host_compute,
@@ -32,6 +30,8 @@ from .._host.compute import (
     on_host_if_cheap,
     writes_in_place,
 )
+from .._plan.plan import LeafPlan, Plan
+from .._plan.walk import format_keys, is_array_leaf
 from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing

@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._host.kernels.load import target
 from .._host.compute import traced_platform
+from .._host.kernels.load import target
 from .state import is_none
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

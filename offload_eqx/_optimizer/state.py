@@ -11,9 +11,9 @@ import optax
 from jax.core import Tracer
 
 from .._declare.placement import Placement
+from .._host.compute import on_host_if_cheap
 from .._plan.of_trees import state_plan
 from .._plan.walk import is_array_leaf
-from .._host.compute import on_host_if_cheap
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
 

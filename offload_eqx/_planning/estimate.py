@@ -20,9 +20,9 @@ from typing import Any
 
 from .._base.options import checks_options
 from .._base.table import format_bytes, format_table
+from .._host.compute import check_host_compute
 from .._inspect.memory_report import compiled_report
 from .._jit.jit import FilterJit, step_of
-from .._host.compute import check_host_compute
 from .._targets.deviceless import program_of_step
 from .._targets.devices import require_compiler
 from .._targets.targets import Speeds, Target, get_target

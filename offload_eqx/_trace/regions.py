@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .._declare.activations import check_name
+from .._host.compute import on_host
 from .._plan.plan import Plan
 from .._plan.remat_policy import OX_SCAN_SCOPE
 from .._plan.walk import format_keys
-from .._host.compute import on_host
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .argument_writes import Snapshot, refuse_layer_writes, write_back
 from .fetches import fetch_captured, fetched, labels_of
