@@ -50,7 +50,7 @@ NEWEST_PART = tuple(
     for name in (
         "annotate", "jit", "audit", "memory", "masters", "layer_split", "drop_in", "readme",
         "fused_adamw", "host_split", "host_chunks", "callbacks", "flops",
-        "published_libraries", "jax_versions",
+        "published_libraries", "jax_versions", "gpu_host_kernels",
     )
 )  # fmt: skip
 # The one XLA limit tested among the step-time model's tests.

@@ -56,7 +56,7 @@ from ._declare.placement import Placement as Placement, field as field
 from ._declare.strategy import STRATEGIES as STRATEGIES, Strategy as Strategy
 from ._fit.fit import fit as fit
 from ._fit.result import Candidate as Candidate, FitResult as FitResult
-from ._host.kernels.load import host_kernels as host_kernels
+from ._host.kernels.gpu_host import host_kernels as host_kernels
 from ._inspect.audit import audit as audit
 from ._inspect.jaxpr_walk import host_compute as host_compute
 from ._inspect.memory_report import (

@@ -85,7 +85,7 @@ def test_only_an_elementwise_group_over_one_element_order_is_sliced(transform, s
     [
         (optax.adamw(1e-2, weight_decay=0.1), 1),  # `a` sliced, `b` (16 elements) whole
         (optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)), 0),  # one group
-        (optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), 0),  # a cond: whole
+        (optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), 1),  # its cond, sliced
     ],
     ids=["adamw", "clip_adam", "multi_steps"],
 )
@@ -145,7 +145,7 @@ def test_the_optimizer_update_with_masters_sliced_equals_it_whole(small_slices, 
         def step(grads, model, state):
             return ox.update_and_apply(opt, grads, state, model)
 
-        monkeypatch.setattr(host_update, "_split_calls", lambda delayed: split)
+        monkeypatch.setattr(host_update, "_split_calls", lambda: split)
         with traced_for("cuda"):  # optax's arithmetic, not this machine's fused kernel
             jaxpr = jax.make_jaxpr(step)(grads, model, state)
             out = step(grads, model, state)
@@ -335,3 +335,35 @@ def test_a_squeeze_keeps_the_order_and_a_large_constant_is_not_sliced():
     constant = jax.make_jaxpr(lambda g, p: [p - g * table])(x, x)
     assert constant.consts  # the table is a constant of the program, given whole
     assert host_chunks.chunk_count(constant, bound=4096) == 1
+
+
+def test_our_kernel_and_a_delayed_updates_cond_computed_in_slices_equal_them_whole():
+    """The delayed update's host computation: `cond(ready, kernel, keep)`. Sliced, the
+    cond is taken on each slice and the kernel called on slices of its operands (its
+    scalars whole): the same bits as the whole computation, whichever branch runs."""
+    from offload_eqx._host.kernels.load import target
+    from offload_eqx._optimizer.fused_adamw import _one_call
+
+    name = target("adamw")
+    if name is None:
+        pytest.skip("the host kernel is not built here")
+    n = 4096
+    g = jnp.cos(jnp.arange(n, dtype=jnp.float32)).astype(jnp.bfloat16)
+    m, mu, nu = (jnp.sin(jnp.arange(n, dtype=jnp.float32) * k) for k in (1.0, 2.0, 3.0))
+    nu = nu * nu
+    s = jnp.asarray([0.1, 0.9, 0.001, 0.999, 0.1, 0.001, 0.0, 1e-8, 0.01, -1e-3, 0.0, 0.0])
+
+    def program(ready, g, m, mu, nu):
+        def full():
+            return _one_call(name, [[g], [m], [mu], [nu], [g]], s, np.asarray([3], np.int8))[0]
+
+        return jax.lax.cond(ready, full, lambda: (m, mu, nu, m.astype(jnp.bfloat16)))
+
+    closed = jax.make_jaxpr(program)(True, g, m, mu, nu)
+    run = jax.jit(host_chunks.slice_program(closed, 4))
+    for ready in (True, False):
+        whole = jax.jit(program)(ready, g, m, mu, nu)
+        parts = [run(np.int32(k), ready, g, m, mu, nu) for k in range(4)]
+        for j, expected in enumerate(whole):
+            got = jnp.concatenate([part[j] for part in parts])
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))

@@ -233,15 +233,16 @@ def test_a_host_update_writes_its_state_in_place_on_the_cpu(delay):
 
 
 @pytest.mark.deviceless
-def test_a_host_update_donates_no_host_argument_for_the_h100():
+def test_a_delayed_host_update_is_written_over_its_donated_state_for_the_h100():
     """Where the host computation is a host call of its own (XLA:GPU), its results get
-    buffers of their own and a donated host argument would only add a copy after the
-    call: the compile for the h100 aliases no host memory."""
+    buffers of their own; a delayed update is computed in slices written back over the
+    donated state (`_host.calls`), so the compile for the h100 aliases every host
+    argument the update replaces."""
     opt = ox.offload_optimizer(optax.adam(1e-2), update_on="host", delay=1)
     model = ox.place(scanned_model(jax.random.key(0)), "hybrid")
     state = opt.init(model)
     report = ox.memory_report(_step(opt, "hybrid"), model, state, _batches(1)[0], target="h100")
-    assert report.host["alias"] == 0
+    assert report.host["alias"] == report.host["argument"] > 0, dict(report.host)
 
 
 # -- the real compiler ------------------------------------------------------------------

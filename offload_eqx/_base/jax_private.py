@@ -87,6 +87,12 @@ CALLBACK_PRIMITIVES: tuple = (
     _lookup(("jax._src.debugging:debug_callback_p",), "`jax.debug.callback`'s primitive"),
     _lookup(("jax._src.debugging:debug_print_p",), "`jax.debug.print`'s primitive"),
 )
+# The backends JAX registered, each with the PJRT C API of its plugin (`.c_api`, a
+# capsule): the CUDA plugin's FFI extension registers a kernel for its host compiler,
+# which no public API reaches (`_host.kernels.gpu_host`).
+backend_factories: Any = _lookup(
+    ("jax._src.xla_bridge:_backend_factories",), "the backends' plugins"
+)
 # The concrete class of `jax.Array` (an exact type test on the per-call path).
 ArrayImpl: Any = _lookup(("jax._src.array:ArrayImpl",), "the concrete jax.Array")
 # What JAX logs when a callback raises (logger and message), kept off the terminal.
@@ -123,6 +129,16 @@ def context_mesh_set(mesh: Any) -> Iterator[None]:
         yield
     finally:
         _device_context.set_local(previous)
+
+
+def cuda_plugin_api() -> Any:
+    """The CUDA plugin's PJRT C API as JAX loaded it (a capsule), None where no CUDA
+    plugin is registered."""
+    for name in ("cuda", "cuda12", "cuda13"):
+        registration = backend_factories.get(name)
+        if registration is not None and getattr(registration, "c_api", None) is not None:
+            return registration.c_api
+    return None
 
 
 def cuda_versions() -> Any:

@@ -20,6 +20,9 @@ from .split import group_program, result_groups
 HOST = "device_host"
 # The name scope of a group's host calls computed in slices (`_in_slices`).
 SLICES_SCOPE = "ox_host_slices"
+# Under `slice_all`, the fewest slices a group is computed in (a loop of one trip would
+# be no loop: XLA removes it, and its results are copied into the state after the call).
+LEAST_SLICES = 4
 
 
 def device_aval(x: Any) -> Any:
@@ -56,15 +59,24 @@ def bind(jaxpr: Any, operands: list) -> list:
     )
 
 
-def chained(jaxpr: Any, operands: list, slots: dict[int, int], scope: str, sliced: bool) -> list:
+def chained(
+    jaxpr: Any,
+    operands: list,
+    slots: dict[int, int],
+    scope: str,
+    sliced: bool,
+    slice_all: bool = False,
+) -> list:
     """`jaxpr` as one host computation per group of results (`host_split`), each group's
     operands held back (`optimization_barrier`) until the group before has its results.
     With `sliced`, a group whose results exceed `host_chunks.CHUNK_BYTES` and that is
     elementwise is computed a slice at a time (`_in_slices`), its results written into
-    the operands `slots` names for them (result index -> operand index)."""
+    the operands `slots` names for them (result index -> operand index). With
+    `slice_all`, every elementwise group is, in at least `LEAST_SLICES` slices."""
     # Sliced, groups are merged only within a slice's bytes: a merged group mixes
     # parameters of several sizes, which cannot be sliced together.
-    groups = result_groups(jaxpr, cap=host_chunks.CHUNK_BYTES if sliced else None)
+    cap = 0 if slice_all else host_chunks.CHUNK_BYTES if sliced else None
+    groups = result_groups(jaxpr, cap=cap)
     uses = [group_program(jaxpr, group)[1] for group in groups]
     readers: dict[int, int] = {}  # operand -> the group that reads it
     for number, used in enumerate(uses):
@@ -75,7 +87,7 @@ def chained(jaxpr: Any, operands: list, slots: dict[int, int], scope: str, slice
         # Results of one element (Adam's count) are computed whole, before the slices.
         rest = [j for j in group if _size(jaxpr.out_avals[j]) > 1]
         program, used = group_program(jaxpr, rest or group)
-        chunks = chunk_count(program) if sliced and rest else 1
+        chunks = chunk_count(program, _bound(program, slice_all)) if sliced and rest else 1
         if chunks == 1:
             if len(groups) == 1:
                 return bind(jaxpr, operands)
@@ -104,6 +116,14 @@ def chained(jaxpr: Any, operands: list, slots: dict[int, int], scope: str, slice
         for index, result in zip(whole + rest, before):
             outs[index] = result
     return outs
+
+
+def _bound(program: Any, slice_all: bool) -> int:
+    """The most bytes of results one slice of `program` computes."""
+    if not slice_all:
+        return host_chunks.CHUNK_BYTES
+    held = sum(_size(v.aval) * v.aval.dtype.itemsize for v in program.jaxpr.outvars)
+    return max(1, min(host_chunks.CHUNK_BYTES, held // LEAST_SLICES))
 
 
 def _size(aval: Any) -> int:

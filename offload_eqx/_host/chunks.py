@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, Literal
 
 # A group whose results add up to more bytes than this is computed in slices of at most
@@ -41,6 +42,13 @@ ELEMENTWISE = frozenset(
 # `dimensions`, a squeeze, a broadcast that only adds axes of length one).
 _SAME_ORDER = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# Our host kernels that compute each element of their results from the same element of
+# their array operands and from whole small operands (`kernels/adamw.cc`: the step's
+# scalars): a call on slices computes the slices of its results.
+ELEMENTWISE_CALLS = frozenset({"offload_eqx_adamw"})
+# A value computed whole inside a slice's program (no sliced operand) has at most this
+# many elements (the kernel's scalars): more would be a second copy of large data.
+_WHOLE = 64
 
 
 class NotSliceable(Exception):
@@ -97,12 +105,16 @@ def _apply(eqn: Any, values: list, flags: list, size: int, length: int) -> tuple
         return _eval(inner.jaxpr, inner.consts, values, size, length), [
             s == size for s in out_sizes
         ]
+    if name == "cond" and not flags[0]:
+        return _cond(eqn, values, size, length), [s == size for s in out_sizes]
     if not any(flags):
         if name == "broadcast_in_dim" and out_sizes == [size] and _size(eqn.invars[0].aval) == 1:
             return [jnp.broadcast_to(jnp.reshape(values[0], ()), (length,))], [True]
-        if any(s > 1 for s in out_sizes):
+        if any(s == size or s > _WHOLE for s in out_sizes):
             raise NotSliceable(name)
         return _bound(eqn, values), [False] * len(out_sizes)
+    if name == "ffi_call" and eqn.params.get("target_name") in ELEMENTWISE_CALLS:
+        return _ffi_call(eqn, values, flags, size, length), [s == size for s in out_sizes]
     if out_sizes != [size] * len(out_sizes):
         raise NotSliceable(name)
     # (`squeeze`'s `dimensions` are the axes of length one it drops: the order stays.)
@@ -114,6 +126,39 @@ def _apply(eqn: Any, values: list, flags: list, size: int, length: int) -> tuple
         scalars = [v if f else jnp.reshape(v, ()) for v, f in zip(values, flags)]
         return _bound(eqn, scalars), [True] * len(out_sizes)
     raise NotSliceable(name)
+
+
+def _cond(eqn: Any, values: list, size: int, length: int) -> list:
+    """A `cond` on a whole predicate (the delayed update's `ready`), each branch computed
+    on the slices."""
+
+    def branch(closed: Any) -> Any:
+        return lambda *operands: _eval(closed.jaxpr, closed.consts, operands, size, length)
+
+    index, *operands = values
+    return list(jax.lax.switch(index, [branch(b) for b in eqn.params["branches"]], *operands))
+
+
+def _ffi_call(eqn: Any, values: list, flags: list, size: int, length: int) -> list:
+    """A call of one of our elementwise kernels on slices: its results are slices too
+    (whole operands, such as the step's scalars, are passed whole)."""
+    results = tuple(
+        ShapedArray((length,) if _size(v.aval) == size else v.aval.shape, v.aval.dtype)
+        for v in eqn.outvars
+    )
+    default = lambda rank: tuple(reversed(range(rank)))  # noqa: E731 (the FFI's row-major)
+    params = {
+        **eqn.params,
+        "result_avals": results,
+        "input_layouts": tuple(default(np.ndim(x)) for x in values),
+        "output_layouts": tuple(default(len(r.shape)) for r in results),
+    }
+    return _bound_with(eqn, values, params)
+
+
+def _bound_with(eqn: Any, values: list, params: dict) -> list:
+    out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _bound(eqn: Any, values: list) -> list:

@@ -234,6 +234,7 @@ def on_host(
     split: bool = False,
     sliced: bool = False,
     reuse: dict[int, int] | None = None,
+    slice_all: bool = False,
 ) -> Any:
     """`fn(*args)` computed on the host; every array result is host-typed, and Python
     values among the results (an optimizer state's int or string) come back as they are.
@@ -247,7 +248,11 @@ def on_host(
     written over the arrays they replace: `reuse[i] = j` says that result `i` (of a
     tuple) replaces `args[j]`, leaf by leaf (their paths match), e.g. the state the
     computation updates, donated by the step; a result that replaces nothing gets a
-    buffer of its own. Unflattened operands (on a mesh) are not sliced.
+    buffer of its own. Unflattened operands (on a mesh) are not sliced. With
+    `slice_all`, every elementwise group is computed in slices (at least
+    `calls.LEAST_SLICES`), however small: a delayed update's, whose whole results
+    XLA:GPU's latency-hiding scheduler copies into the state all at once, after the
+    last call.
 
     `name` labels the computation in the audit; `labels[i] = (kind, root)` labels what
     is sent of `args[i]` (`("gradient", "grads")` reports `grads.w1` as a gradient).
@@ -296,7 +301,9 @@ def on_host(
     with jax.named_scope(scope):
         if split:
             slots = slots_of(out_shape, with_path, reuse or {}, len(consts))
-            outs = chained(jaxpr, [*consts, *sent], slots, scope, sliced and flatten)
+            outs = chained(
+                jaxpr, [*consts, *sent], slots, scope, sliced and flatten, slice_all and flatten
+            )
         else:
             outs = bind(jaxpr, [*consts, *sent])
     arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

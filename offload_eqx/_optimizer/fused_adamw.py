@@ -17,12 +17,17 @@ It replaces `MasterUpdate.values` where all of these hold, and nothing else:
   runs as XLA compiles it;
 - the masters and both moments are float32, the gradients and parameters bfloat16 or
   float32;
-- the program is traced for the CPU (`_host.compute.traced_platform`): the host
-  computation of an XLA:GPU or XLA:TPU program runs optax's update as XLA compiles it
-  (XLA:GPU compiles its host computations with an XLA:CPU inside the CUDA plugin, whose
-  FFI registry does not hold this kernel);
+- the program is traced for the CPU, or for a GPU whose CUDA plugin's host compiler is
+  proven to find the kernel (`_host.compute.traced_platform`, `_host.kernels.gpu_host`:
+  XLA:GPU compiles its host computations with an XLA:CPU inside the plugin, with an FFI
+  registry of its own); an XLA:TPU program's host update runs as XLA compiles it;
 - the kernel was built when offload_eqx was installed and passes its checks
   (`ox.host_kernels()`).
+
+On the CPU the kernel is one call for every leaf, on XLA:CPU's thread pool. In an
+XLA:GPU program it is one call per leaf, so that the host update can be split into one
+host call per parameter, or computed a slice at a time (`_host.calls`), and written over
+the donated state.
 
 Equal to XLA, bit for bit. The scalars of the step (the bias corrections `1 - b**t`, the
 learning rate at this count) are computed with the same XLA operations optax uses, in
@@ -49,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._host.compute import traced_platform
+from .._host.compute import host_inline, traced_platform
+from .._host.kernels import gpu_host
 from .._host.kernels.load import target
 from .state import is_none
 
@@ -271,8 +277,27 @@ def _flags(decayed: list[bool], masters: list) -> np.ndarray:
     return np.asarray(flags, np.int8)
 
 
+_KERNEL_PLATFORMS = ("cpu", "cuda", "gpu")
+
+
+def _target(name: str, platform: str) -> str | None:
+    """Kernel `name`'s XLA target for a host computation of a `platform` program."""
+    return target(name) if platform == "cpu" else gpu_host.target(name)
+
+
 def _call(name: str, leaves: list[list], s: jax.Array, flags: np.ndarray) -> list[tuple]:
-    """One kernel call for every leaf: `(new master, mu, nu, parameter)` per leaf."""
+    """`(new master, mu, nu, parameter)` per leaf: one kernel call for every leaf where
+    the host computation is inlined (XLA:CPU), else one call per leaf."""
+    if host_inline(traced_platform()) or len(leaves[0]) < 2:
+        return _one_call(name, leaves, s, flags)
+    return [
+        _one_call(name, [[part[i]] for part in leaves], s, flags[i : i + 1])[0]
+        for i in range(len(leaves[0]))
+    ]
+
+
+def _one_call(name: str, leaves: list[list], s: jax.Array, flags: np.ndarray) -> list[tuple]:
+    """One kernel call for `leaves`: `(new master, mu, nu, parameter)` per leaf."""
     grads, masters, mus, nus, likes = leaves
     operands, results, aliases = [s], [], {}
     for i, (g, m, mu, nu, like) in enumerate(zip(grads, masters, mus, nus, likes)):
@@ -322,7 +347,7 @@ def fused_values(
     masters, by the host kernel where it applies (the module docstring), else
     `otherwise()` (which computes the same with optax)."""
     spec = recognise(tx)
-    if spec is None or _OPTAX_ONLY.get() or traced_platform() != "cpu":
+    if spec is None or _OPTAX_ONLY.get() or traced_platform() not in _KERNEL_PLATFORMS:
         return otherwise()
     adam_inner = inner[-1] if spec.prefix else inner
     states = _states(adam_inner)
@@ -338,7 +363,7 @@ def fused_values(
         return otherwise()
     wide = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
     decayed = _decayed(spec, wide)
-    name = target("adamw")
+    name = _target("adamw", traced_platform())
     if name is None or decayed is None or len(decayed) != len(found[1]):
         return otherwise()
     prefix_states = []

@@ -56,15 +56,21 @@ from .state import (
 )
 
 
-def _split_calls(delayed: bool) -> bool:
+def _split_calls() -> bool:
     """Whether the update is one host computation per parameter (`on_host(split=True)`):
     where the host computation is a call of its own (XLA:GPU), so that the state is
-    written into its donated buffers with one parameter's results held at a time. Not
-    for a delayed update: XLA:GPU's latency-hiding scheduler, which lets it overlap the
-    step (`compiler_options`), copies every result into the state after the last call,
-    so all of them are held at once anyway (the experiments' tiny decoder, h100: 2.08 MiB
-    of host temporaries for 2.08 MiB of state; undelayed, 0.45 MiB)."""
-    return not delayed and not host_inline(traced_platform())
+    written into its donated buffers with one parameter's results held at a time."""
+    return not host_inline(traced_platform())
+
+
+def _slice_all(delayed: bool) -> bool:
+    """Whether every parameter's update is computed in slices written over the state: a
+    delayed update on XLA:GPU. Its latency-hiding scheduler, which lets the update
+    overlap the step (`compiler_options`), copies the results of whole calls into the
+    state after the last one, so all of them are held at once (two copies of the
+    state); slices are written back in a loop, one at a time (the experiments' tiny
+    decoder, h100: 2.08 MiB of host temporaries for 2.08 MiB of state in whole calls)."""
+    return delayed and _split_calls()
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
@@ -204,8 +210,9 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(delayed_tx(self.inner) is not None),
-            sliced=self._sliced(state),
+            split=_split_calls(),
+            sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
+            slice_all=_slice_all(delayed_tx(self.inner) is not None),
             reuse={1: 1},  # the new state replaces the state
             name=self._name("optimizer update"),
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
@@ -267,8 +274,9 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(delayed_tx(self.inner) is not None),
-            sliced=self._sliced(state),
+            split=_split_calls(),
+            sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
+            slice_all=_slice_all(delayed_tx(self.inner) is not None),
             reuse={0: 3, 2: 1},  # the new host parameters and state replace the old
             name=self._name("optimizer update and apply"),
             labels=(

@@ -50,6 +50,7 @@ _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # kernel -> its XLA target, None when unavailable
 _why: dict[str, str] = {}  # kernel -> how it was loaded, or why not
 _handles: list[Any] = []  # the libraries loaded, kept alive with the process
+_addresses: dict[str, int] = {}  # kernel -> its FFI handler's address in the library
 
 
 class Refused(Exception):
@@ -179,6 +180,7 @@ def _load(name: str) -> str:
     target = target_name(name)
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _handles.append(handle)
+    _addresses[name] = ctypes.cast(handler, ctypes.c_void_p).value or 0
     _why[name] = f"loaded from {library} ({variant().decode()})"
     return target
 
@@ -199,27 +201,22 @@ def target(name: str) -> str | None:
         return _loaded[name]
 
 
+def handler_address(name: str) -> int | None:
+    """The address of loaded kernel `name`'s FFI handler (what another XLA's FFI
+    registry is given), None where it is not loaded."""
+    return _addresses.get(name) if target(name) is not None else None
+
+
+def library_sha256(name: str) -> str | None:
+    """The SHA-256 of kernel `name`'s library as loaded, None where it is not."""
+    if target(name) is None:
+        return None
+    return _record(name).get("sha256")
+
+
 def host_kernels() -> dict[str, str]:
-    """offload_eqx's host kernels and whether this process uses them.
-
-    On the CPU, the optimizer update of `ox.offload_optimizer(optax.adamw(...),
-    master_dtype=jnp.float32)` (or `optax.adam`) runs as one fused, in-place pass over
-    every leaf: a C++ kernel compiled when offload_eqx was installed (with the system's
-    C++ compiler: `$CXX`, else `c++`), whose results equal XLA's own update bit for bit.
-    It is loaded only from the installed package, only if its SHA-256 is the one recorded
-    when it was built and only if no one but you (root, the package's owner) can write
-    it. Where it was not built (no compiler at install time), fails a check, or with
-    `OFFLOAD_EQX_HOST_KERNELS=0`, the update runs as XLA compiles it: the same results,
-    slower.
-
-    Returns:
-        `{kernel: how}`: "loaded from <library> (<the processor's variant>)", or
-        "unavailable: <why>".
-
-    Example:
-        >>> ox.host_kernels()  # doctest: +SKIP
-        {'adamw': 'loaded from .../offload_eqx/_host/kernels/_adamw.so (x86-64 AVX-512 with FMA)'}
-    """
+    """`{kernel: how}` for this CPU: "loaded from <library> (<the processor's variant>)",
+    or "unavailable: <why>" (`ox.host_kernels()` adds the GPU's host)."""
     for name in KERNELS:
         target(name)
     return dict(_why)
