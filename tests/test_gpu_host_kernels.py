@@ -15,7 +15,6 @@ import pytest
 
 from offload_eqx._host.kernels import gpu_host
 
-
 _H100_UPDATE = textwrap.dedent(
     """
     import json, sys
