@@ -165,3 +165,30 @@ def test_a_verdict_file_others_may_write_is_ignored(tmp_path, monkeypatch):
     path.unlink()
     path.symlink_to(link)
     assert gpu_host._read_verdicts() == {}
+
+
+@pytest.mark.deviceless
+def test_a_plan_that_moves_the_update_to_the_gpu_runs_it_as_xla_compiles_it():
+    """`update="device"` (a plan `ox.fit` tries) traces the masters update as device
+    code: the kernel is registered for the GPU's host only, so it is not called there
+    (the compile failed: "No FFI handler registered for offload_eqx_adamw on a platform
+    CUDA")."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import optax
+
+    import offload_eqx as ox
+
+    opt = ox.offload_optimizer(optax.adamw(1e-3), update_on="host", master_dtype=jnp.float32)
+    model = eqx.filter_eval_shape(
+        lambda: {"w": jnp.zeros((256, 256), jnp.bfloat16), "b": jnp.zeros(256, jnp.bfloat16)}
+    )
+    state = eqx.filter_eval_shape(opt.init, model)
+    on_device = ox.Strategy("device update", params="device", optimizer="device", update="device")
+
+    @ox.filter_jit(strategy=on_device, donate="all-except-first")
+    def step(grads, model, state):
+        return ox.update_and_apply(opt, grads, state, model)
+
+    report = ox.memory_report(step, model, model, state, target="h100")
+    assert report.device["argument"] > 0

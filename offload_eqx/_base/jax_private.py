@@ -53,6 +53,11 @@ compute_on_p: Any = _lookup(("jax._src.compute_on:compute_on_p",), "the host com
 extend_compute_type: Any = _lookup(
     ("jax._src.compute_on:extend_compute_type",), "the host computation's trace context"
 )
+# The compute type `extend_compute_type` set for this thread (None outside one): whether
+# the code being traced is a host computation's.
+_compute_type_state: Any = _lookup(
+    ("jax._src.config:compute_on_context_manager",), "the compute type being traced for"
+)
 # Dead-code elimination of a jaxpr, and the split of a closed jaxpr's constants: what
 # `jax.make_jaxpr` does inside, with no public name.
 dce_jaxpr: Any = _lookup((f"{_PE}:dce_jaxpr",), "dead-code elimination of a jaxpr")
@@ -103,6 +108,11 @@ CALLBACK_FAILED = "jax.pure_callback failed"
 def without_dead_code(jaxpr: Any) -> Any:
     """`jaxpr` without the equations no output depends on (every output kept)."""
     return dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def current_compute_type() -> str | None:
+    """The compute type being traced for ("device_host" inside a host computation)."""
+    return _compute_type_state.value
 
 
 def current_trace() -> Any:

@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._base.jax_private import current_compute_type
+from .._host.calls import HOST
 from .._host.compute import host_inline, traced_platform
 from .._host.kernels import gpu_host
 from .._host.kernels.load import target
@@ -281,8 +283,12 @@ _KERNEL_PLATFORMS = ("cpu", "cuda", "gpu")
 
 
 def _target(name: str, platform: str) -> str | None:
-    """Kernel `name`'s XLA target for a host computation of a `platform` program."""
-    return target(name) if platform == "cpu" else gpu_host.target(name)
+    """Kernel `name`'s XLA target for the code being traced on `platform`: the CPU's
+    (where the device is this CPU too), or a GPU's host computation's; None for a GPU's
+    device code (the update on the device, `optimizer=device` in a plan)."""
+    if platform == "cpu":
+        return target(name)
+    return gpu_host.target(name) if current_compute_type() == HOST else None
 
 
 def _call(name: str, leaves: list[list], s: jax.Array, flags: np.ndarray) -> list[tuple]:
