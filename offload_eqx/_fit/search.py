@@ -211,11 +211,20 @@ class Search:
         return self.argument_bytes(choice, "device") + self.named(choice, "save")
 
     def kept(self, choice: Choice) -> dict[str, float]:
-        """The share of its layers in which each name is kept on the device."""
-        return {
-            name: _share(policy, "save", getattr(self.produced.get(name), "layers", 1))
-            for name, policy in choice.names
-        }
+        """The share of its layers in which each name is kept on the device: saved, or,
+        for an `ox.scan` layer's input, not offloaded (recomputed, the carry is still the
+        layer's residual; a name the plan does not list follows its base)."""
+        policies = dict(choice.names)
+        inputs = [n for n, value in self.produced.items() if value.layer_input]
+        shares = {}
+        for name in [*policies, *(n for n in inputs if n not in policies)]:
+            value = self.produced.get(name)
+            layers = getattr(value, "layers", 1)
+            policy = policies.get(name, choice.base)
+            shares[name] = _share(policy, "save", layers)
+            if value is not None and value.layer_input:
+                shares[name] += _share(policy, "remat", layers)
+        return shares
 
     def dominated(self, choice: Choice) -> Choice | None:
         """A compiled plan of the same base that did not fit, keeps no more named values

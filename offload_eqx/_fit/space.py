@@ -45,6 +45,9 @@ class NamedValue:
     bytes: int  # per step: the value's size times the trip counts of its enclosing scans
     carry: bool  # the carry of an enclosing `jax.lax.scan`, kept whatever its policy
     layers: int = 1  # the trip count of its enclosing scans (its layers), at most
+    # An `ox.scan` layer's input: recomputed ("remat"), it is still kept on the device
+    # (the carry is the layer's residual); only offloading it frees the device.
+    layer_input: bool = False
 
 
 def named_values(jaxpr: Any) -> dict[str, NamedValue]:
@@ -57,7 +60,9 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
     appear nowhere else: those are taken from there."""
     strict: dict[str, NamedValue] = {}
     rematted: dict[str, NamedValue] = {}
-    carried = {n for n, scan in carried_names(jaxpr).items() if scan == "jax.lax.scan"}
+    carries = carried_names(jaxpr)
+    carried = {n for n, scan in carries.items() if scan == "jax.lax.scan"}
+    inputs = {n for n, scan in carries.items() if scan == "ox.scan"}
 
     def walk(j: Any, count: int) -> None:
         for eqn in j.eqns:
@@ -74,6 +79,7 @@ def named_values(jaxpr: Any) -> dict[str, NamedValue]:
                     size + (previous.bytes if previous else 0),
                     name in carried,
                     max(count, previous.layers if previous else 1),
+                    name in inputs,
                 )
             length = eqn.params["length"] if prim == "scan" else 1
             for sub in jex.core.jaxprs_in_params(eqn.params):

@@ -1,0 +1,61 @@
+"""`ox.fit` offers a block's input for offload: a name at the top of an `ox.scan` block
+is the layer's carry, which recomputing ("remat") keeps on the device as the layer's
+residual; only offloading it frees the device. The search must not judge the plan that
+offloads it as keeping at least what the plan that recomputes it kept (which is what it
+did: "no plan fits", where the README's block stack fits with `x` offloaded)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import offload_eqx as ox
+
+pytestmark = pytest.mark.deviceless
+
+
+class Block(eqx.Module):
+    w_in: jax.Array = ox.field(memory="pinned_host")
+    w_out: jax.Array = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        x = ox.name(x, "x")  # the block's input, named at its top
+        h = ox.name(jax.nn.gelu(x @ self.w_in), "h")
+        return x + h @ self.w_out
+
+
+class Stack(eqx.Module):
+    blocks: Block
+    activations: ox.Activations = ox.activations(x="offload", h="remat")
+
+    def __call__(self, x):
+        return ox.scan(self.blocks, x)
+
+
+def _make(key, layers=16, d=256):
+    k1, k2 = jax.random.split(key)
+    w = lambda k, a, b: jax.random.normal(k, (layers, a, b), jnp.bfloat16) * a**-0.5  # noqa: E731
+    return Stack(Block(w(k1, d, 4 * d), w(k2, 4 * d, d)))
+
+
+def test_fit_offloads_the_block_input_where_only_that_fits():
+    """16 layers whose inputs are 2 MiB each (32 MiB kept by any plan that does not
+    offload them; 62.5 MiB the least such plan needs), under a 40 MB device budget:
+    the plan found offloads `x`, with parameters and the update on the host."""
+    opt = ox.offload_optimizer(
+        optax.adamw(1e-4), update_on="host", master_dtype=jnp.float32, delay=1
+    )
+
+    def train_step(model, opt_state, x):
+        loss = lambda m: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)  # noqa: E731
+        grads = eqx.filter_grad(loss)(model)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    model = eqx.filter_eval_shape(_make, jax.random.key(0))
+    state = eqx.filter_eval_shape(opt.init, model)
+    x = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16)
+    step = ox.filter_jit(train_step, donate="all")
+    found = ox.fit(step, model, state, x, target="h100", device_budget=40_000_000)
+    assert dict(found.strategy.names).get("x") == "offload", found.table()
+    assert (found.estimate.device_bytes or 0) <= 40_000_000, found.table()
