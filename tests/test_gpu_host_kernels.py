@@ -192,3 +192,67 @@ def test_a_plan_that_moves_the_update_to_the_gpu_runs_it_as_xla_compiles_it():
 
     report = ox.memory_report(step, model, model, state, target="h100")
     assert report.device["argument"] > 0
+
+
+@pytest.mark.deviceless
+def test_the_h100_host_update_is_priced_as_the_kernel_moves_bytes():
+    """With the kernel in the h100 program's host computation, the simulated host time is
+    28 bytes a parameter at the h100 host's update bandwidth (the count, traced for the
+    target's platform, says the same), where XLA's loops cost more."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import optax
+
+    import offload_eqx as ox
+    from offload_eqx._planning.host_work import host_computation_bandwidth
+
+    opt = ox.offload_optimizer(optax.adamw(1e-3), update_on="host", master_dtype=jnp.float32)
+    n = 2048
+    params = eqx.filter_eval_shape(lambda: {"w": jnp.ones((n, n), jnp.bfloat16)})
+    state = eqx.filter_eval_shape(opt.init, params)
+    step = ox.filter_jit(
+        lambda g, p, s: ox.update_and_apply(opt, g, s, p), donate="all-except-first"
+    )
+    estimate = ox.estimate(step, params, params, state, target="h100")
+    speeds = ox.TARGETS["h100"].speeds
+    assert speeds is not None and estimate.simulation is not None
+    kernel = 28 * n * n / host_computation_bandwidth(speeds)
+    assert kernel <= estimate.simulation.busy["host"] <= 1.2 * kernel, estimate.simulation.busy
+    assert estimate.traced_seconds is not None
+    assert kernel <= estimate.traced_seconds <= 1.3 * kernel  # and the rest of the step
+
+
+@pytest.mark.deviceless
+def test_the_count_is_of_the_program_traced_for_the_target():
+    """`ox.estimate`'s jaxpr count walks the program the target compiles: for the h100,
+    one kernel call per leaf in the host computation (the CPU's: one for all)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import offload_eqx as ox
+    from offload_eqx._planning.traced_time import trace_costs
+    from offload_eqx._targets.targets import get_target
+
+    opt = ox.offload_optimizer(optax.adamw(1e-3), update_on="host", master_dtype=jnp.float32)
+    shapes = {"w": jnp.ones((64, 64), jnp.bfloat16), "v": jnp.ones((64, 32), jnp.bfloat16)}
+    params = eqx.filter_eval_shape(lambda: shapes)
+    state = eqx.filter_eval_shape(opt.init, params)
+    step = ox.filter_jit(
+        lambda g, p, s: ox.update_and_apply(opt, g, s, p), donate="all-except-first"
+    )
+
+    def calls(jaxpr) -> int:
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += eqn.params.get("target_name") == "offload_eqx_adamw"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += calls(getattr(sub, "jaxpr", sub))
+        return found
+
+    def kernel_calls(target: str) -> int:
+        return calls(trace_costs(step, (params, params, state), {}, get_target(target)).jaxpr)
+
+    assert kernel_calls("h100") == 2
+    assert kernel_calls("cpu") == 1

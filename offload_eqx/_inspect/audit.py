@@ -36,6 +36,7 @@ from .._base.errors import (
 from .._base.primitives import is_var
 from .._base.table import format_bytes
 from .._declare.activations import policies_of
+from .._host.compute import traced_for
 from .._jit.guard import device_offenders
 from .._jit.jit import step_of
 from .._plan.plan import Plan
@@ -89,6 +90,15 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
 def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[TransferReport, Any]:
     """`audit`, and the traced program it walked (a `jax.extend.core.Jaxpr`, dead code
     removed): `ox.estimate` counts the work of the same program."""
+    return audit_traced_for(None, fn, args, kwargs)
+
+
+def audit_traced_for(
+    platform: str | None, fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[TransferReport, Any]:
+    """`audit_traced`, of the program traced for `platform` (a deviceless target's:
+    "cuda" splits and slices the host update, and calls the GPU host's kernels, as the
+    target's compile does), or for this machine where None."""
     wrapper = step_of(fn, "ox.audit")
     name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
     # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
@@ -96,7 +106,13 @@ def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Tra
     entry, leaves = wrapper.compilation(*args, **kwargs)
     labelled = wrapper.arguments(*args, **kwargs)
     plan: Plan = entry.plan
-    closed = entry.jaxpr or jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
+    if platform is None or platform == plan.device.platform:
+        closed = entry.jaxpr or jax.jit(entry.flat).trace(*entry.abstract(leaves)).jaxpr
+    else:
+        # The user's function traced anew (`entry.flat` evaluates this machine's trace).
+        with traced_for(platform):
+            flat = entry.remake(plan)
+            closed = jax.jit(flat).trace(*entry.abstract(leaves)).jaxpr
     jaxpr = _dce(closed.jaxpr)
 
     matched = entry.output_arguments

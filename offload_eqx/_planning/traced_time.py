@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._inspect.audit import audit_traced
+from .._inspect.audit import audit_traced_for
 from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit
 from .._targets.calibrate import cpu_speeds
@@ -106,8 +106,10 @@ class Costs:
 def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], target: Target) -> Costs:
     """Trace `step` once (nothing compiled): its work priced at the target's speeds, its
     transfers. The trace comes first: a call it refuses (a missing argument, a shape
-    mismatch) fails before the CPU's speeds are measured (a second or more)."""
-    report, jaxpr = audit_traced(step, *args, **kwargs)
+    mismatch) fails before the CPU's speeds are measured (a second or more). Traced for
+    the target's platform: the program its compile would see (on a GPU, the host update
+    split and sliced, calling the GPU host's kernel)."""
+    report, jaxpr = audit_traced_for(target.platform, step, args, dict(kwargs))
     plan = step.plan(*args, **kwargs)
     constants = _constants(step, args, kwargs)
     work = _work(jaxpr, speeds_of(target), constants)
