@@ -137,10 +137,18 @@ def _host(part: dict) -> list[str]:
         ("all cores GB/s", f"{part['host_all_cores_GBps']:.1f}"),
         (f"predicted ms ({part['target']})", _ms(part["predicted_seconds"])),
         ("predicted ms (host measured)", _ms(part["predicted_seconds_calibrated"])),
+        ("kernel calls in the compiled step", str(part["kernel_calls"])),
+        ("optax's operations (XLA's loops): step ms", _ms(part["optax_median_seconds"])),
+        ("optax's operations: threads busy", f"{part['optax_threads_busy']:.2f}"),
+        ("kernel speed-up over optax's operations", f"{part['kernel_speedup']:.2f}x"),
+        ("bit for bit optax's results", "yes" if part["bit_equal_to_optax"] else "no"),
+        ("largest difference from optax's results", f"{part['max_abs_difference']:.3g}"),
     ]
+    kernels = "; ".join(f"{k}: {v}" for k, v in part["host_kernels"].items())
     return [
         f"AdamW, float32 masters of {part['parameters']:,} bfloat16 parameters, updated on "
         "the host.",
+        f"`ox.host_kernels()`: {kernels}.",
         "",
         *_table(("", "value"), rows),
     ]

@@ -35,6 +35,11 @@ PARTS = {
         "host_thread_GBps",
         "predicted_seconds",
         "predicted_seconds_calibrated",
+        "host_kernels",
+        "kernel_calls",
+        "bit_equal_to_optax",
+        "optax_median_seconds",
+        "kernel_speedup",
     },  # fmt: skip
 }
 
@@ -81,6 +86,9 @@ def test_smoke_runs_every_part_and_the_equivalence_passes(tmp_path):
     assert kernels["predicted_flops"] > 0 and kernels["median_seconds"] > 0
     assert path.with_suffix(".md").read_text().count("| ") > 10
     assert "## 6. Fused attention" in path.with_suffix(".md").read_text()
+    # The host update calls our kernel (here the CPU's), bit for bit optax's results.
+    host = result["parts"]["host"]
+    assert host["kernel_calls"] >= 1 and host["bit_equal_to_optax"], host
 
 
 def test_parts_runs_the_parts_named_and_refuses_an_unknown_one(tmp_path):
