@@ -20,10 +20,12 @@ into one call per parameter, chained (`on_host(split=True)`), and the state is d
 each call's results are copied into the state's buffers, so the host holds the state once
 plus one parameter's results, where one call for everything held every result beside the
 state (two copies). A global transform (`clip_by_global_norm`) reads every gradient for
-every result, and the update stays one call; so does a delayed one (see `_split_calls`).
-Under a plan with `update="host_sliced"`, each parameter's call whose results exceed a
-slice's bytes is computed a slice at a time, its results written over the state
-(`on_host(sliced=True, reuse=...)`): the host holds nothing of the update beside it.
+every result, and the update stays one call. Under a plan with `update="host_sliced"`,
+each parameter's call whose results exceed a slice's bytes is computed a slice at a
+time, its results written over the state (`on_host(sliced=True, reuse=...)`): the host
+holds nothing of the update beside it. A delayed update is always computed in slices
+there (`_slice_all`): the scheduler that overlaps it would copy whole calls' results
+after the last one, holding every result beside the state.
 
 Global transforms run on the host with the rest: their reductions read every gradient
 once, which costs the host's memory bandwidth, against keeping every gradient on the
