@@ -84,7 +84,9 @@ class Strategy:
         through device memory, so they cross the link twice (elementwise
         transformations only: Adam, AdamW, SGD, Lion; others are computed whole).
         `ox.fit` plans it where the update computed whole is over the host budget. Both
-        need `optimizer` other than `"device"`.
+        need `optimizer` other than `"device"`. A delayed update (`delay=1`) on XLA:GPU
+        is computed in slices unless the strategy says `"host"`: whole, it overlaps the
+        step but holds the state twice.
     """
 
     name: str

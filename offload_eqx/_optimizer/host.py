@@ -41,6 +41,7 @@ import optax
 from .._declare.strategy import HOST_UPDATES
 from .._host.compute import host_inline, on_host, traced_platform
 from .._sharding.memory_space import is_host_typed, labelled, to_device, to_host
+from .._trace.state import active_plan
 from .delayed import Delayed, as_pending, delayed_tx, when_ready, zeros
 from .masters import value_writer
 from .state import (
@@ -67,12 +68,17 @@ def _split_calls() -> bool:
 
 def _slice_all(delayed: bool) -> bool:
     """Whether every parameter's update is computed in slices written over the state: a
-    delayed update on XLA:GPU. Its latency-hiding scheduler, which lets the update
-    overlap the step (`compiler_options`), copies the results of whole calls into the
-    state after the last one, so all of them are held at once (two copies of the
-    state); slices are written back in a loop, one at a time (the experiments' tiny
-    decoder, h100: 2.08 MiB of host temporaries for 2.08 MiB of state in whole calls)."""
-    return delayed and _split_calls()
+    delayed update on XLA:GPU, unless the strategy in force asks for it whole
+    (`update="host"`). Whole, the latency-hiding scheduler lets the one host call overlap
+    the forward and backward passes (`compiler_options`) but copies its results into the
+    state after it, so the host holds two copies of the state; in slices, written back
+    in a loop one at a time, the host holds it once, and the loop runs on the device's
+    stream between or after the passes, not beside them (the experiments' tiny decoder, h100: 2.08 MiB of host
+    temporaries for 2.08 MiB of state whole). `ox.fit` compiles both and keeps the
+    faster that fits."""
+    plan = active_plan()
+    whole = plan is not None and plan.strategy.update == "host"
+    return delayed and _split_calls() and not whole
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
