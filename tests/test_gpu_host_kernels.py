@@ -227,7 +227,7 @@ def test_the_count_is_of_the_program_traced_for_the_target():
     """`ox.estimate`'s jaxpr count walks the program the target compiles: for the h100,
     one kernel call per leaf in the host computation (the CPU's: one for all)."""
     import equinox as eqx
-    import jax
+    import jax.extend as jex
     import jax.numpy as jnp
     import optax
 
@@ -247,7 +247,7 @@ def test_the_count_is_of_the_program_traced_for_the_target():
         found = 0
         for eqn in jaxpr.eqns:
             found += eqn.params.get("target_name") == "offload_eqx_adamw"
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in jex.core.jaxprs_in_params(eqn.params):
                 found += calls(getattr(sub, "jaxpr", sub))
         return found
 

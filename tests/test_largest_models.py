@@ -205,6 +205,21 @@ def test_the_undelayed_recipe_writes_the_state_in_place_on_the_h100(recipe):
     assert undelayed.host_total < 0.6 * delayed.host_total
 
 
+def test_the_delayed_recipe_in_slices_holds_the_state_once_on_the_h100(recipe):
+    """Delayed and computed whole (`update="host"`), the one host call overlaps the
+    passes and writes every result beside the state (alias 0); in slices
+    (`update="host_sliced"`), written back over the donated state, every host output
+    aliases its argument and the host holds the state once plus the pending gradients."""
+    _, args, _ = recipe
+    sliced = dataclasses.replace(FRUGAL, name="frugal sliced", update="host_sliced")
+    step = decoder.make_step(_optimizer(), sliced)
+    report = ox.memory_report(step, *args, target="h100")
+    whole = ox.memory_report(recipe[0], *args, target="h100")
+    assert report.host["alias"] == report.host["argument"] > 0, dict(report.host)
+    assert report.host_total <= 1.3 * report.host["argument"], dict(report.host)
+    assert whole.host["alias"] == 0 and whole.host_total > 1.8 * whole.host["argument"]
+
+
 def test_max_batch_stops_where_the_offloaded_layer_inputs_fill_the_host(recipe):
     """Each block's input is offloaded, so the host total grows with the batch: with the
     host budget at batch 2's total, batch 3 is over it while the device has room."""

@@ -59,26 +59,34 @@ from .state import (
 )
 
 
-def _split_calls() -> bool:
+def _split_calls(delayed: bool) -> bool:
     """Whether the update is one host computation per parameter (`on_host(split=True)`):
     where the host computation is a call of its own (XLA:GPU), so that the state is
-    written into its donated buffers with one parameter's results held at a time."""
-    return not host_inline(traced_platform())
+    written into its donated buffers with one parameter's results held at a time. Not
+    for a delayed update computed whole (`_whole_delayed`): XLA:GPU's latency-hiding
+    scheduler, which lets it overlap the step (`compiler_options`), copies every result
+    into the state after the last call, so all of them are held at once anyway, and
+    calls per parameter only add copies on the device's stream."""
+    return not host_inline(traced_platform()) and not (delayed and _whole_delayed())
+
+
+def _whole_delayed() -> bool:
+    """Whether the strategy in force asks for the update whole (`update="host"`, not
+    `"host_sliced"`, nor the annotation): for a delayed update on XLA:GPU, one host call
+    that overlaps the forward and backward passes but holds the state twice."""
+    plan = active_plan()
+    return plan is not None and plan.strategy.update == "host"
 
 
 def _slice_all(delayed: bool) -> bool:
     """Whether every parameter's update is computed in slices written over the state: a
     delayed update on XLA:GPU, unless the strategy in force asks for it whole
-    (`update="host"`). Whole, the latency-hiding scheduler lets the one host call overlap
-    the forward and backward passes (`compiler_options`) but copies its results into the
-    state after it, so the host holds two copies of the state; in slices, written back
-    in a loop one at a time, the host holds it once, and the loop runs on the device's
-    stream between or after the passes, not beside them (the experiments' tiny decoder, h100: 2.08 MiB of host
-    temporaries for 2.08 MiB of state whole). `ox.fit` compiles both and keeps the
-    faster that fits."""
-    plan = active_plan()
-    whole = plan is not None and plan.strategy.update == "host"
-    return delayed and _split_calls() and not whole
+    (`_whole_delayed`). Whole, the host holds two copies of the state (the experiments'
+    tiny decoder, h100: 2.08 MiB of host temporaries for 2.08 MiB of state); in slices,
+    written back in a loop one at a time, it holds it once, and the loop runs on the
+    device's stream between or after the passes, not beside them. `ox.fit` compiles
+    both and keeps the faster that fits."""
+    return delayed and not host_inline(traced_platform()) and not _whole_delayed()
 
 
 def reads_params(inner: Any, grads: Any, state: Any, extra_args: dict) -> bool:
@@ -218,7 +226,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(),
+            split=_split_calls(delayed_tx(self.inner) is not None),
             sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
             slice_all=_slice_all(delayed_tx(self.inner) is not None),
             reuse={1: 1},  # the new state replaces the state
@@ -282,7 +290,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(),
+            split=_split_calls(delayed_tx(self.inner) is not None),
             sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
             slice_all=_slice_all(delayed_tx(self.inner) is not None),
             reuse={0: 3, 2: 1},  # the new host parameters and state replace the old
