@@ -27,8 +27,9 @@ busy time), and which resource bounds the step (the one busiest in the schedule)
     ... --targets h100 --configs 70B --host-budget 2.4e12 --tag _70b_2400   # one row
     ... --targets gh200 --configs 30B --delay 0 --mu-dtype bfloat16 --largest-batch
 
-Undelayed (`--delay 0`) the frugal plan updates in slices written over the state
-(`update="host_sliced"`: the least host memory); `ox.fit` searches both ways.
+The frugal plan updates in slices written over the state (`update="host_sliced"`: the
+least host memory), delayed or not; `ox.fit` searches that and the update computed whole
+(`update="host"`: delayed, it overlaps the passes but holds the state twice).
 
 The default and `--full` runs take minutes per row on a 2-core machine (the README has the
 timings); `nox -s experiments` runs `--smoke`.
@@ -66,20 +67,13 @@ ROWS: dict[str, tuple[tuple[str, ...], float]] = {
 # The smoke run: the same structure at the tiny shape, batch 2.
 SMOKE = (("tiny",), 1e9)
 # The plan the step is declared with (what `ox.fit` replaces): ZeRO-Offload's placement,
-# the layers' inputs offloaded. Undelayed, the update computed in slices written over the
-# state (`update="host_sliced"`): the least host memory; a delayed update is one host
-# computation either way.
+# the layers' inputs offloaded, the update computed in slices written over the state
+# (`update="host_sliced"`): the least host memory, delayed or not (a delayed update
+# computed whole, `update="host"`, overlaps the passes but holds the state twice).
 FRUGAL = ox.Strategy(
-    "frugal", "pinned_host", "pinned_host", "remat", names={"block_input": "offload"}, update="host"
-)
-FRUGAL_SLICED = ox.Strategy(
-    "frugal_sliced", "pinned_host", "pinned_host", "remat", names={"block_input": "offload"},
+    "frugal", "pinned_host", "pinned_host", "remat", names={"block_input": "offload"},
     update="host_sliced",
 )  # fmt: skip
-
-
-def frugal(delay: int) -> ox.Strategy:
-    return FRUGAL if delay else FRUGAL_SLICED
 
 
 # What others publish (the issue's marks): the largest model trained on one accelerator.
@@ -148,7 +142,7 @@ def plan_one(
         flush=True,
     )
     capacity = ox.TARGETS[target].capacity or 0
-    device, host = frugal_memory(make_step(opt, frugal(delay)), args, target)
+    device, host = frugal_memory(make_step(opt, FRUGAL), args, target)
     print(f"  frugal plan: device {device / GB:.1f} GB, host {host / GB:.1f} GB", flush=True)
     base = {"target": target, "config": config.name, "parameters": config.parameters,
             "host_budget": host_budget, "batch": batch, "seq": config.seq, "delay": delay,
@@ -161,7 +155,7 @@ def plan_one(
                        "binds": ["device"] * (device > capacity) + ["host"] * (host > host_budget),
                        "wall_s": time.perf_counter() - started}  # fmt: skip
     result = ox.fit(
-        make_step(opt, frugal(delay)),
+        make_step(opt, FRUGAL),
         *args,
         target=target,
         host_budget=int(host_budget),

@@ -59,3 +59,33 @@ def test_fit_offloads_the_block_input_where_only_that_fits():
     found = ox.fit(step, model, state, x, target="h100", device_budget=40_000_000)
     assert dict(found.strategy.names).get("x") == "offload", found.table()
     assert (found.estimate.device_bytes or 0) <= 40_000_000, found.table()
+
+
+def test_a_plan_that_recomputes_the_block_input_is_bounded_by_keeping_it():
+    """The least device memory a plan needs (`Search.bound`) counts the layers' inputs a
+    plan recomputes, which stay on the device: without them, what the plan recomputing
+    `x` needed beyond its floor was learned as its family's extra and charged to the plan
+    that offloads `x` as well, which was then never compiled (the 70B block stack on an
+    H100: "no plan fits", where offloading `x` needs 12 GiB)."""
+    from offload_eqx._fit.price import find_space
+    from offload_eqx._fit.search import Search
+    from offload_eqx._fit.space import Choice
+    from offload_eqx._targets.targets import get_target
+
+    opt = ox.offload_optimizer(optax.adamw(1e-4), update_on="host", delay=1)
+
+    def train_step(model, opt_state, x):
+        loss = lambda m: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)  # noqa: E731
+        return ox.update_and_apply(opt, eqx.filter_grad(loss)(model), opt_state, model)
+
+    model = eqx.filter_eval_shape(_make, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16)
+    args = (model, eqx.filter_eval_shape(opt.init, model), x)
+    step = ox.filter_jit(train_step, donate="all")
+    search = Search(step, args, {}, get_target("h100"), 10**12, 10**12, 4, lambda _: None)
+    find_space(search)
+    names = lambda x_policy: (("h", "remat"), ("x", x_policy))  # noqa: E731
+    recomputed = Choice("remat", names("remat"), "pinned_host", "host")
+    offloaded = Choice("remat", names("offload"), "pinned_host", "host")
+    inputs = 16 * 4 * 1024 * 256 * 2  # 16 layers' inputs, bfloat16
+    assert search.bound(recomputed) - search.bound(offloaded) == inputs

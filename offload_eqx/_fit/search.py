@@ -208,7 +208,24 @@ class Search:
         return self._device_floor(choice) + self.device_extra.get(_family(choice), 0)
 
     def _device_floor(self, choice: Choice) -> int:
-        return self.argument_bytes(choice, "device") + self.named(choice, "save")
+        return (
+            self.argument_bytes(choice, "device")
+            + self.named(choice, "save")
+            + self._inputs_recomputed(choice)
+        )
+
+    def _inputs_recomputed(self, choice: Choice) -> int:
+        """Bytes of the `ox.scan` layers' inputs a plan recomputes, on each device: the
+        carry is still the layer's residual, kept on the device (without them, what a
+        plan keeping them needed beyond its floor was learned as its family's extra, and
+        the same family's plan that offloads them was predicted to need as much)."""
+        policies = dict(choice.names)
+        total = 0.0
+        for name, value in self.produced.items():
+            if value.layer_input:
+                policy = policies.get(name, choice.base)
+                total += value.bytes * _share(policy, "remat", value.layers)
+        return int(total / self.devices(choice))
 
     def kept(self, choice: Choice) -> dict[str, float]:
         """The share of its layers in which each name is kept on the device: saved, or,
