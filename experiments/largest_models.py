@@ -26,6 +26,7 @@ busy time), and which resource bounds the step (the one busiest in the schedule)
     JAX_PLATFORMS=cpu python experiments/largest_models.py          # both targets: ~3 min
     ... --targets h100 --configs 70B --host-budget 2.4e12 --tag _70b_2400   # one row
     ... --targets gh200 --configs 30B --delay 0 --mu-dtype bfloat16 --largest-batch
+    ... --block-stack   # the README's block stack at 70B on one H100: ox.fit's plan, ~10 s
 
 The frugal plan updates in slices written over the state (`update="host_sliced"`: the
 least host memory), delayed or not; `ox.fit` searches that and the update computed whole
@@ -343,7 +344,21 @@ def main() -> None:
     parser.add_argument(
         "--mu-dtype", choices=("bfloat16",), help="AdamW's first moment in this dtype"
     )
+    parser.add_argument(
+        "--block-stack",
+        action="store_true",
+        help="only the README's block stack at 70B on one H100 (1.5 TB): ox.fit's plan",
+    )
     args = parser.parse_args()
+    if args.block_stack:
+        import _block_stack
+
+        row = _block_stack.run()
+        path = os.path.join(RESULTS, "largest_models_block_stack.json")
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(row, file, indent=1)
+        print(f"wrote {path}")
+        return
     size = "smoke" if args.smoke else "default"
     mu_dtype = jnp.bfloat16 if args.mu_dtype else None
     run(
