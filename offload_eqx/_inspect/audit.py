@@ -90,15 +90,17 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TransferReport:
 def audit_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[TransferReport, Any]:
     """`audit`, and the traced program it walked (a `jax.extend.core.Jaxpr`, dead code
     removed): `ox.estimate` counts the work of the same program."""
-    return audit_traced_for(None, fn, args, kwargs)
+    report, jaxpr, _ = audit_traced_for(None, fn, args, kwargs)
+    return report, jaxpr
 
 
 def audit_traced_for(
     platform: str | None, fn: Callable[..., Any], args: tuple, kwargs: dict
-) -> tuple[TransferReport, Any]:
+) -> tuple[TransferReport, Any, dict]:
     """`audit_traced`, of the program traced for `platform` (a deviceless target's:
     "cuda" splits and slices the host update, and calls the GPU host's kernels, as the
-    target's compile does), or for this machine where None."""
+    target's compile does), or for this machine where None; and the values of the
+    constants that program closes over, by variable (a splash kernel's block mask)."""
     wrapper = step_of(fn, "ox.audit")
     name = getattr(wrapper, "__name__", None) or getattr(fn, "__name__", type(fn).__name__)
     # A host-resident leaf used outside a region fails this trace: `ox.filter_jit`
@@ -153,7 +155,7 @@ def audit_traced_for(
     report = TransferReport(
         name, plan.strategy.name, transfers, walker.violations, walker.host_computations
     )
-    return report.check(), jaxpr
+    return report.check(), jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
 
 
 def _argument_transfers(entry: Any, leaves: list) -> list[Transfer]:

@@ -109,22 +109,11 @@ def trace_costs(step: FilterJit, args: tuple, kwargs: Mapping[str, Any], target:
     mismatch) fails before the CPU's speeds are measured (a second or more). Traced for
     the target's platform: the program its compile would see (on a GPU, the host update
     split and sliced, calling the GPU host's kernel)."""
-    report, jaxpr = audit_traced_for(target.platform, step, args, dict(kwargs))
+    report, jaxpr, constants = audit_traced_for(target.platform, step, args, dict(kwargs))
     plan = step.plan(*args, **kwargs)
-    constants = _constants(step, args, kwargs)
     work = _work(jaxpr, speeds_of(target), constants)
     kernels = kernel_table(jaxpr, constants)
     return Costs(work, tuple(report.transfers), plan.devices, jaxpr, constants, kernels)
-
-
-def _constants(step: FilterJit, args: tuple, kwargs: Mapping[str, Any]) -> dict:
-    """The values of the constants the step's traced program closes over, by variable
-    (the audit's program keeps the variables, not the values)."""
-    entry, _ = step.compilation(*args, **kwargs)
-    closed = entry.jaxpr
-    if closed is None:
-        return {}
-    return dict(zip(closed.jaxpr.constvars, closed.consts))
 
 
 def priced_at(costs: Costs, speeds: Speeds) -> Costs:
