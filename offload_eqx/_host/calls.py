@@ -181,6 +181,10 @@ def _traced_bind(fn: Callable[..., Any], operands: list) -> list:
 
 
 def _host_zeros(aval: Any) -> Any:
-    """A fresh buffer in host memory, made there (zeros: a sliced result's buffer that
-    replaces no operand)."""
-    return _traced_bind(lambda: [jnp.zeros(aval.shape, aval.dtype)], [])[0]
+    """A fresh buffer in host memory (zeros: a sliced result's buffer that replaces no
+    operand), as JAX's own offloading makes one: zeros moved to host memory, which
+    XLA:GPU's host offloader turns into a host allocation. Made by a host computation
+    instead, jaxlib 0.12's host offloader aborted the process at the first slice written
+    into it (`HostOffloader::CreateAllocateBufferForDynamicUpdateSlice`, a shape without
+    a layout)."""
+    return to_host(jnp.zeros(aval.shape, aval.dtype))
