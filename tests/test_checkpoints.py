@@ -700,7 +700,7 @@ def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path, na
     restores. `*` and `?` restore, so they are allowed."""
     tree = {"w": jnp.ones(3)}
     for path in (tmp_path / name, tmp_path / name / "step_1"):
-        with pytest.raises(ValueError, match=r"has `\[` or `\]` in it.*nothing was written"):
+        with pytest.raises(ValueError, match=r"has `[\[\]]`.* in it.*nothing was written"):
             ox.save_checkpoint(path, tree)
         assert not (tmp_path / name).exists()
     fine = tmp_path / "a*b?"
@@ -710,6 +710,40 @@ def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path, na
     os.rename(fine, moved)  # written elsewhere, then moved where Orbax cannot read it
     with pytest.raises(ValueError, match=r"nothing was read.*move the directory there"):
         ox.restore_checkpoint(moved, tree)
+
+
+@pytest.mark.parametrize("length", [230, 240, 250, 255])
+def test_a_checkpoint_named_as_long_as_a_file_name_may_be_saves_and_restores(tmp_path, length):
+    """A directory's name may have 255 bytes; the save's temporary directory beside it
+    (`<name>.offload_eqx-tmp-<random>`) and Orbax's inside it (`<name>.orbax-checkpoint-tmp`)
+    went past that from 231 and 234 bytes (`OSError: [Errno 36] File name too long`)."""
+    name = ("é" + "a" * length)[: length - 1]  # a 2-byte character first: cut at characters
+    assert len(name.encode()) == length
+    path = tmp_path / name
+    ox.save_checkpoint(path, {"w": jnp.arange(3.0)})
+    assert float(ox.restore_checkpoint(path, {"w": jnp.zeros(3)})["w"][2]) == 2.0
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_an_interrupted_save_of_a_long_name_is_named_when_its_checkpoint_is_missing(tmp_path):
+    name = "r" * 250
+    (tmp_path / (name[:230] + ".offload_eqx-tmp-abcdefgh")).mkdir()  # a killed save's
+    with pytest.raises(FileNotFoundError, match=r"offload_eqx-tmp-abcdefgh` does, .*interrupted"):
+        ox.restore_checkpoint(tmp_path / name, {"w": jnp.zeros(3)})
+
+
+@pytest.mark.parametrize("name", ["back\\slash", "a\\b[1]"])
+def test_a_path_with_a_backslash_is_refused_before_anything_is_written(tmp_path, name):
+    """TensorStore reads a backslash as a directory separator: such a checkpoint saved
+    without error and never restored (`NOT_FOUND ... back/slash/`), data lost."""
+    with pytest.raises(ValueError, match=r"has .*`\\` in it, .*separator.*nothing was written"):
+        ox.save_checkpoint(tmp_path / name, {"w": jnp.ones(3)})
+    assert os.listdir(tmp_path) == []
+    fine = tmp_path / "fine"
+    ox.save_checkpoint(fine, {"w": jnp.ones(3)})
+    os.rename(fine, tmp_path / name)
+    with pytest.raises(ValueError, match=r"nothing was read.*move the directory there"):
+        ox.restore_checkpoint(tmp_path / name, {"w": jnp.ones(3)})
 
 
 # -- issue 50, item 20: a restore reads no metadata Orbax's own restore does not ------

@@ -36,10 +36,19 @@ EXTRA_LEAVES = (
     "from a larger tree. Pass as `like` the tree the checkpoint was saved from."
 )
 # An Orbax checkpoint: Orbax's own save writes into `<name>.orbax-checkpoint-tmp-<time>`,
-# `ox.save_checkpoint` into `<name>.offload_eqx-tmp-<random>/<name>`; each is renamed to
+# `ox.save_checkpoint` into `<name>.offload_eqx-tmp-<random>/checkpoint`; each is renamed to
 # `<name>` once complete. `_METADATA` (each leaf's shape and dtype) follows the arrays.
 PRIVATE = ".offload_eqx-tmp-"
 _UNFINISHED = (".orbax-checkpoint-tmp", PRIVATE)
+_ROOM = 255 - len(PRIVATE) - 8  # a file name's bytes, less ours and `mkdtemp`'s 8
+
+
+def private_prefix(name: str) -> str:
+    """How the name of a save's temporary directory for checkpoint `name` starts: `name`,
+    cut at a character to fit a file name's 255 bytes from 231, then `PRIVATE`."""
+    return name.encode()[:_ROOM].decode(errors="ignore") + PRIVATE
+
+
 TREE_METADATA = "_METADATA"
 READ_FAILED = "Encountered error while reading array index"  # Orbax's words
 CHECKSUMS = "offload_eqx_checksums.json"
@@ -274,7 +283,8 @@ def check_complete(caller: str, path: str) -> None:
         unfinished = [
             other
             for other in _listed(parent)
-            if any(other.startswith(name + marker) for marker in _UNFINISHED)
+            if other.startswith(private_prefix(name))
+            or other.startswith(name + ".orbax-checkpoint-tmp")
         ]
         why = _INTERRUPTED.format(unfinished=unfinished[-1]) if unfinished else ""
         raise FileNotFoundError(

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from .checkpoint_checks import PRIVATE
+from .checkpoint_checks import private_prefix
 
 _LOST_RACE = (
     "{caller}: `{path}` appeared while this save was writing: another save given the "
@@ -41,6 +41,7 @@ _ELSEWHERE = (
     "{caller}: the first process could not rename the finished checkpoint to `{path}` "
     "(its error says why); nothing of this save is left."
 )
+_INSIDE = "checkpoint"  # the checkpoint's name inside a save's temporary directory
 _REMOVE_ATTEMPTS = 12  # about 4.5 s of waiting in all
 _NAME_BYTES = 1024  # room for a directory's name broadcast to the other processes
 
@@ -60,7 +61,7 @@ def _private(parent: str, name: str) -> str:
     """A new directory of this save's own beside the checkpoint; one for all processes
     (the first makes it), as Orbax writes one checkpoint from all of them."""
     first = jax.process_index() == 0
-    made = tempfile.mkdtemp(prefix=name + PRIVATE, dir=parent) if first else ""
+    made = tempfile.mkdtemp(prefix=private_prefix(name), dir=parent) if first else ""
     if jax.process_count() == 1:
         return made
     return os.path.join(parent, _broadcast_name(os.path.basename(made)))
@@ -141,7 +142,9 @@ def private_checkpoint(
     os.makedirs(parent, exist_ok=True)  # a `PermissionError` names the directory
     private = _private(parent, name)
     try:
-        written = os.path.join(private, name)
+        # A short name inside: Orbax writes into `<it>.orbax-checkpoint-tmp` first, which
+        # a checkpoint's name of 234 bytes or more would take past a file name's 255.
+        written = os.path.join(private, _INSIDE)
         yield written
         check_not_abandoned(abandoned)
         _published_everywhere(caller, written, path)
@@ -150,24 +153,37 @@ def private_checkpoint(
             _remove(private)
 
 
-_BRACKETS = (
-    "{caller}: `{path}` has `[` or `]` in it, which Orbax reads as a glob pattern: a "
-    "checkpoint there is written whole and can never be restored (Orbax cannot find its "
-    "metadata), so nothing was {done}. Use a path without brackets, e.g. `{example}`{move}."
+_UNREADABLE = (
+    "{caller}: `{path}` has {chars} in it, which Orbax cannot read back ({why}): a "
+    "checkpoint there is written whole and can never be restored, so nothing was "
+    "{done}. Use a path without them, e.g. `{example}`{move}."
 )
+_WHY = {
+    "[": "it globs its paths", "]": "it globs its paths",
+    "\\": "TensorStore reads a backslash as a directory separator",
+}  # fmt: skip
 
 
-def check_no_brackets(caller: str, path: str, restoring: bool = False) -> None:
-    """`path` has no `[` or `]`: Orbax globs its paths, and a bracket in any part of one
-    makes a checkpoint that saves and never restores (`run [1]`, `lr[1e-3]`; `*` and `?`
+def _listed(items: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def check_readable_path(caller: str, path: str, restoring: bool = False) -> None:
+    """`path` has no `[`, `]` or `\\`: Orbax globs its paths, and TensorStore reads a
+    backslash as a separator, so with any of them in any part of a path a checkpoint
+    saves and never restores (`run [1]`, `lr[1e-3]`, `back\\slash`; `*` and `?`
     restore). A save refuses it before writing; a restore says why it cannot read it."""
-    if "[" not in path and "]" not in path:
+    found = [c for c in _WHY if c in path]
+    if not found:
         return
-    example = path.replace("[", "-").replace("]", "").replace(" ", "_")
+    example = path.replace("[", "-").replace("]", "").replace(" ", "_").replace("\\", "_")
     raise ValueError(
-        _BRACKETS.format(
+        _UNREADABLE.format(
             caller=caller,
             path=path,
+            chars=_listed([f"`{c}`" for c in found]),
+            why="; ".join(dict.fromkeys(_WHY[c] for c in found)),
             done="read" if restoring else "written",
             example=example,
             move=" (move the directory there, then restore it)" if restoring else "",

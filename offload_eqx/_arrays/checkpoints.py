@@ -45,7 +45,7 @@ from .checkpoint_reads import (
     restored_from,
 )
 from .checkpoint_writers import in_background, orbax_write, raise_named, write_to_the_end
-from .checkpoint_writes import check_no_brackets, check_not_abandoned, private_checkpoint
+from .checkpoint_writes import check_not_abandoned, check_readable_path, private_checkpoint
 from .place import abstract, check_not_deleted
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "tree_deserialise_leaves"]
@@ -158,7 +158,7 @@ def save_checkpoint(
     check_unique_names(caller, eqx.filter(tree, eqx.is_array))
     ocp = _orbax(caller)
     path = os.path.realpath(path)
-    check_no_brackets(caller, path)
+    check_readable_path(caller, path)
     check_absent(caller, path)
     if not wait:
         return in_background(
@@ -227,7 +227,7 @@ def restore_checkpoint(
     ocp = _orbax(caller)
     path = os.path.realpath(path)
     check_complete(caller, path)
-    check_no_brackets(caller, path, restoring=True)
+    check_readable_path(caller, path, restoring=True)
     planned = eqx.filter(abstract(like, strategy, mesh=mesh), is_array_leaf)
     records = records_for(caller, path, verify)
     with opened_checkpointer(ocp, checkpointer) as opened:
