@@ -92,6 +92,9 @@ CALLBACK_PRIMITIVES: tuple = (
     _lookup(("jax._src.debugging:debug_callback_p",), "`jax.debug.callback`'s primitive"),
     _lookup(("jax._src.debugging:debug_print_p",), "`jax.debug.print`'s primitive"),
 )
+# The effects JAX orders by a token threaded through the program (`io_callback(...,
+# ordered=True)`, `jax.debug.print(..., ordered=True)`): no public name lists them.
+ordered_effects: Any = _lookup(("jax._src.effects:ordered_effects",), "the ordered effects")
 # The backends JAX registered, each with the PJRT C API of its plugin (`.c_api`, a
 # capsule): the CUDA plugin's FFI extension registers a kernel for its host compiler,
 # which no public API reaches (`_host.kernels.gpu_host`).

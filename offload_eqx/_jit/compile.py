@@ -36,6 +36,7 @@ from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
 from .host_use import is_host_use, locate_host_use
+from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
 
@@ -301,6 +302,8 @@ def compile_entry(
     if placing[0] is not None:
         closed = jax.jit(program).trace(*abstract).jaxpr
     plan.check_offloads(closed.jaxpr)
+    hosted = [leaf.path for leaf in (*plan.leaves, *created) if _in_host(leaf)]
+    check_ordered_with_host(closed, list(dict.fromkeys(hosted)), caller)
     platform = plan.device.platform
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
@@ -345,6 +348,10 @@ def compile_entry(
         checks=checks_at_run_time(closed),
         donate=donate,
     )
+
+
+def _in_host(leaf: Any) -> bool:
+    return leaf is not None and leaf.memory == "pinned_host"
 
 
 _KEEPS_INPUTS = (
