@@ -3,6 +3,8 @@ built on its own copy of the same parameters, timed in interleaved rounds."""
 
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -10,9 +12,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from host_update import B1, B2, EPS, LR, WD, time_rounds
 
 import offload_eqx as ox
+
+LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 1e-4
+
+
+def time_rounds(candidates: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Each candidate's median seconds over `rounds`, interleaved, the order rotated; in
+    each round a candidate's second of two calls in a row."""
+    names = list(candidates)
+    for name in names:  # compile and touch every buffer once
+        candidates[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            # One call untimed first: it wakes the candidate's threads and waits out the
+            # last candidate's (OpenMP's spin a while after each loop, holding a core),
+            # so the timed call is the candidate in its steady state, as in training.
+            candidates[name]()
+            start = time.perf_counter()
+            candidates[name]()
+            samples[name].append(time.perf_counter() - start)
+    return {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 

@@ -44,14 +44,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 KERNEL = os.path.join(HERE, "_host_update_kernel.c")
 
-LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 1e-4
 LAYOUTS = "4,192,decoder"
 
 
@@ -166,25 +164,6 @@ def _report(rows: list[dict], args: Any) -> None:
     with open(path, "w") as f:
         json.dump({"rows": rows, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     print(f"wrote {path}")
-
-
-def time_rounds(candidates: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Each candidate's median seconds over `rounds`, interleaved, the order rotated; in
-    each round a candidate's second of two calls in a row."""
-    names = list(candidates)
-    for name in names:  # compile and touch every buffer once
-        candidates[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            # One call untimed first: it wakes the candidate's threads and waits out the
-            # last candidate's (OpenMP's spin a while after each loop, holding a core),
-            # so the timed call is the candidate in its steady state, as in training.
-            candidates[name]()
-            start = time.perf_counter()
-            candidates[name]()
-            samples[name].append(time.perf_counter() - start)
-    return {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
 
 
 if __name__ == "__main__":
