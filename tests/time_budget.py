@@ -27,11 +27,11 @@ import pytest
 # Seconds for one phase (setup or call) of one test, on the project's 2-core machine
 # running two xdist workers. The slowest phase measured on a fresh clone was 86 s on the
 # slower of the machines this project has had (2026-11-28, 00:54) and 45 s on the faster
-# (20:54; CONTRIBUTING.md's table): 100 s holds on both and still names a new slow phase.
+# (20:54; tests/README.md's table): 100 s holds on both and still names a new slow phase.
 PHASE_SECONDS = 100.0
 
 # A phase known to be over it gets its own ceiling here until it is made smaller
-# (CONTRIBUTING.md, "The tests' time"). The fixture that compiles ox.fit's plans between
+# (tests/README.md). The fixture that compiles ox.fit's plans between
 # all and nothing (363 s when the budget came, 114 s later) is charged to the first test
 # that uses it: its setup took 103.9 s on a fresh clone here (2026-11-29, 08:52) and under
 # 100 s on the runs before, so it crosses the budget when the machine is busy (issue 50,
@@ -129,7 +129,7 @@ def pytest_sessionfinish(session, exitstatus):
         f"machine; this one was {factor:.2f}x as slow):\n"
         + "\n".join(lines)
         + "\nShrink the shapes, share the compile with a session fixture, or mark the "
-        "case `full` (run with --full); see CONTRIBUTING.md, 'The tests' time'."
+        "case `full` (run with --full); see tests/README.md."
     )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
