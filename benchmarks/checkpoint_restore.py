@@ -10,7 +10,7 @@ load hits both alike); each round gives its own ratio, and the report is the med
 ratio beside every round's. The TensorStore opens of one restore of each are counted
 too: ours should open no array that Orbax's restore does not.
 
-    python benchmarks/checkpoint_restore.py [--arrays 6001] [--rounds 5] [--smoke]
+    python benchmarks/checkpoint_restore.py [--arrays 6001] [--rounds 5] [--host] [--smoke]
 """
 
 import argparse
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,12 +33,20 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 OURS, ORBAX = "ox.restore_checkpoint", "orbax StandardCheckpointer.restore"
 
 
-def state(arrays: int) -> dict[str, Any]:
-    """`arrays` small arrays: pairs of a weight and a bias per layer, and a step count."""
-    layers = [
-        {"w": jnp.full((16,), float(i)), "b": jnp.zeros((4,))} for i in range((arrays - 1) // 2)
-    ]
-    return {"layers": layers, "step": jnp.int32(0)}
+class HostLayer(eqx.Module):
+    """A layer whose weight and bias live in host memory between steps."""
+
+    w: jax.Array = ox.field(memory="pinned_host")
+    b: jax.Array = ox.field(memory="pinned_host")
+
+
+def state(arrays: int, host: bool = False) -> dict[str, Any]:
+    """`arrays` small arrays: pairs of a weight and a bias per layer, and a step count;
+    with `host`, every pair in host memory (`ox.field(memory="pinned_host")`)."""
+    pairs = [(jnp.full((16,), float(i)), jnp.zeros((4,))) for i in range((arrays - 1) // 2)]
+    if host:
+        return ox.place({"layers": [HostLayer(w, b) for w, b in pairs], "step": jnp.int32(0)})
+    return {"layers": [{"w": w, "b": b} for w, b in pairs], "step": jnp.int32(0)}
 
 
 def _seconds(restore: Callable[[], Any]) -> float:
@@ -64,16 +73,20 @@ def _opens(restore: Callable[[], Any]) -> int:
     return count[0]
 
 
-def run(arrays: int = 6001, rounds: int = 5, strategy: str = "baseline") -> dict[str, Any]:
-    """Save `state(arrays)` once, then restore it `rounds` times with each restore."""
+def run(
+    arrays: int = 6001, rounds: int = 5, strategy: str = "baseline", host: bool = False
+) -> dict[str, Any]:
+    """Save `state(arrays, host)` once, then restore it `rounds` times with each restore,
+    Orbax's into the same target `ox.abstract` plans (`jax.ShapeDtypeStruct`s with their
+    memory: host memory for host-resident leaves)."""
     import orbax.checkpoint as ocp
 
     directory = tempfile.mkdtemp()
     path = os.path.join(directory, "ckpt")
     try:
-        tree = state(arrays)
+        tree = state(arrays, host)
         ox.save_checkpoint(path, tree)
-        like = jax.eval_shape(lambda: tree)
+        like = eqx.filter_eval_shape(lambda: tree)
         target = ox.abstract(like, strategy)
         checkpointer = ocp.StandardCheckpointer()
         candidates = {
@@ -97,6 +110,7 @@ def run(arrays: int = 6001, rounds: int = 5, strategy: str = "baseline") -> dict
         "arrays": arrays,
         "rounds": rounds,
         "strategy": strategy,
+        "host": host,
         "seconds": times,
         "median_seconds": {name: float(np.median(t)) for name, t in times.items()},
         "ratios": ratios,
@@ -109,7 +123,8 @@ def run(arrays: int = 6001, rounds: int = 5, strategy: str = "baseline") -> dict
 def report(result: dict[str, Any]) -> str:
     rounds = range(1, result["rounds"] + 1)
     lines = [
-        f"{result['arrays']} arrays, strategy {result['strategy']!r}",
+        f"{result['arrays']} arrays{' in host memory' if result['host'] else ''}, strategy "
+        f"{result['strategy']!r}",
         f"{'seconds':<36} {'median':>8}  " + " ".join(f"{i:>6}" for i in rounds),
     ]
     for name, samples in result["seconds"].items():
@@ -127,16 +142,22 @@ def main() -> None:
     parser.add_argument("--arrays", type=int, default=6001)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--strategy", default="baseline")
+    parser.add_argument("--host", action="store_true", help="the arrays in host memory")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true", help="201 arrays, 2 rounds, for CI")
     size.add_argument("--full", action="store_true", help="the defaults")
     args = parser.parse_args()
     if args.smoke:
         args.arrays, args.rounds = 201, 2
-    result = run(args.arrays, args.rounds, args.strategy)
+    result = run(args.arrays, args.rounds, args.strategy, args.host)
     print(report(result))
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "checkpoint_restore.json"), "w") as f:
+    with open(
+        os.path.join(
+            RESULTS, "checkpoint_restore-host.json" if args.host else "checkpoint_restore.json"
+        ),
+        "w",
+    ) as f:
         json.dump(result, f, indent=2)
 
 

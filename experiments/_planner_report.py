@@ -184,11 +184,36 @@ def _place_labels(axis, points: list[tuple[float, float, str]], fontsize: float 
         )  # fmt: skip
 
 
+def marks_of(r: dict) -> tuple[list[tuple[str, float, float | None]], int]:
+    """What one panel draws, at one pricing (each compiled program's schedule simulated,
+    as `ox.fit` ranks the plans that fit and as the presets are priced): `(kind, device
+    GB, ms)` for each plan `ox.fit` compiled ("fits", "best"; "over" a budget: not
+    simulated, ms None) and each preset ("preset" fits, "preset over" does not); and how
+    many candidates were priced by the jaxpr count alone (not compiled: not drawn)."""
+    marks: list[tuple[str, float, float | None]] = []
+    hidden = 0
+    for p in r["candidates"]:
+        if p["compiled_by"] is None:
+            hidden += 1
+        elif p["compiled_by"] == "ox.fit":  # "planner": a preset's plan, drawn below
+            simulated = p.get("simulated_seconds")
+            kind = "over" if simulated is None else "best" if p["status"] == "best" else "fits"
+            ms = None if simulated is None else simulated * 1e3
+            marks.append((kind, p["device_bytes"] / GB, ms))
+    for row in r["presets"]:  # a preset outside the search (host_update) is drawn too
+        if row["plan"] != "ox.fit" and row["device"] is not None:
+            kind = "preset" if row["fits"] else "preset over"
+            marks.append((kind, row["device"] / GB, row["seconds"] * 1e3))
+    return marks, hidden
+
+
 def plot(results: list[dict], path: Path, batch: int) -> bool:
-    """Predicted step time against device memory, one panel per (config, target): every
-    candidate of `ox.fit`'s search (filled when compiled: green fits, red does not; hollow
-    where it is `ox.fit`'s memory model; `>` a lower bound), its plan (star), the Pareto
-    front, the device capacity and the presets by name; one legend for the figure."""
+    """Step time against device memory, one panel per (config, target), at one pricing:
+    each compiled program's schedule simulated. The candidates of `ox.fit`'s search that
+    it compiled and that fit (green), those compiled over a budget (their memory, red
+    ticks along the bottom: not simulated), its plan (star), the presets (green fits, red
+    does not), the Pareto front of what fits, the device capacity; candidates priced
+    only by the jaxpr count are counted in the panel, not drawn."""
     plt = pyplot()
     if plt is None or not results:
         return False
@@ -241,40 +266,26 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
                       ha="center", va="center", multialignment="left",
                       bbox={"facecolor": "0.95", "edgecolor": "0.6"})  # fmt: skip
             continue
-        xy = []
-        measured = [
-            (p["device_bytes"] if p["compiled_by"] else p["predicted_device"]) / GB
-            for p in r["candidates"]
-            if p["compiled_by"] or not p["bound_only"]
-        ]
-        left = min(measured, default=1.0) / 2
-        for p in r["candidates"]:
-            seconds = p["seconds"] * 1e3
-            if p["compiled_by"] is not None:
-                memory = p["device_bytes"] / GB
-                color = "tab:green" if p["fits"] else "tab:red"
-                axis.plot(memory, seconds, "o", color=color, ms=7, zorder=4)
-                drawn.add("fits" if p["fits"] else "too big")
-            elif p["bound_only"]:
-                # No plan of its base compiled: the arguments and saved names alone, a
-                # lower bound, drawn as "at least" and left out of the front.
-                memory = max(p["predicted_device"] / GB, left)
-                axis.plot(memory, seconds, ">", mfc="none", color="tab:gray", ms=6, alpha=0.7)
-                drawn.add("bound")
-                continue
+        marks, hidden = marks_of(r)
+        left = min((memory for _, memory, _ in marks), default=1.0) / 2
+        xy = [(memory, ms) for kind, memory, ms in marks if kind in ("fits", "best", "preset")]
+        for kind, memory, ms in marks:
+            if kind == "over":  # compiled over a budget: its memory only, not simulated
+                axis.plot(memory, 0.02, "|", color="tab:red", ms=12, mew=2,
+                          transform=axis.get_xaxis_transform())  # fmt: skip
+            elif kind == "best":
+                axis.plot(memory, ms, "o", color="tab:green", ms=7, zorder=4)
+                axis.plot(memory, ms, "*", color="gold", ms=18, mec="k", zorder=5)
+                drawn.add("fits")
             else:
-                memory = p["predicted_device"] / GB
-                axis.plot(memory, seconds, "o", mfc="none", color="tab:gray", ms=5, alpha=0.6)
-                drawn.add("model")
-            xy.append((memory, seconds))
-            if p["status"] == "best":
-                axis.plot(memory, seconds, "*", color="gold", ms=18, mec="k", zorder=5)
-                drawn.add("best")
-        for row in r["presets"]:  # a preset outside the search (host_update) is drawn too
-            if row["plan"] != "ox.fit" and row["device"] is not None:
-                color = "tab:green" if row["fits"] else "tab:red"
-                axis.plot(row["device"] / GB, row["seconds"] * 1e3, "o", color=color, ms=7)
-                drawn.add("fits" if row["fits"] else "too big")
+                fits = kind in ("fits", "preset")
+                axis.plot(memory, ms, "o", color="tab:green" if fits else "tab:red", ms=7, zorder=4)
+                kind = "fits" if fits else "too big"
+            drawn.add(kind)
+        if hidden:
+            axis.text(0.97, 0.9, f"{hidden} candidates priced by the jaxpr count only\n"
+                      "(not compiled) are not drawn", transform=axis.transAxes, ha="right",
+                      va="top", fontsize=7.5, color="0.4")  # fmt: skip
         front = pareto(xy)
         if front:
             axis.step(*zip(*front), where="post", color="tab:blue", lw=1)
@@ -292,7 +303,7 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
         axis.tick_params(labelsize=9)
         axis.grid(alpha=0.3, which="major")
         axis.set_xlabel("device memory of one step, GB (1e9 B; log scale)", fontsize=9.5)
-        axis.set_ylabel("predicted step time, ms", fontsize=9.5)
+        axis.set_ylabel("step time, ms (compiled schedule simulated)", fontsize=9.5)
         _place_labels(
             axis,
             [
@@ -306,10 +317,8 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
                        label="compiled, fits"),
         "too big": Line2D([], [], marker="o", color="tab:red", ls="", ms=7,
                           label="compiled, does not fit"),
-        "model": Line2D([], [], marker="o", mfc="none", color="tab:gray", ls="", ms=6,
-                        label="not compiled: ox.fit's memory model"),
-        "bound": Line2D([], [], marker=">", mfc="none", color="tab:gray", ls="", ms=6,
-                        label="not compiled: at least this much"),
+        "over": Line2D([], [], marker="|", color="tab:red", ls="", ms=12, mew=2,
+                       label="compiled, over a budget (memory only: not simulated)"),
         "best": Line2D([], [], marker="*", color="gold", mec="k", ls="", ms=14,
                        label="ox.fit's plan"),
         "front": Line2D([], [], color="tab:blue", lw=1, label="Pareto front"),
@@ -327,7 +336,8 @@ def plot(results: list[dict], path: Path, batch: int) -> bool:
         )
     title = (
         f"ox.fit's candidate plans for the Llama-like decoder, {batch} x 2048 tokens per step: "
-        "predicted step time against device memory (presets labelled by name)"
+        "step time (each compiled program's schedule simulated, as ox.fit ranks the plans "
+        "that fit) against device memory (presets labelled by name)"
     )
     figure.suptitle(textwrap.fill(title, int(width * 12)), fontsize=11)
     figure.savefig(path, dpi=110)

@@ -146,3 +146,36 @@ def test_planner_describes_the_fraction_a_plan_splits(planner, experiments):
     assert "state" not in text  # all of it in one place
     whole = ox.Strategy("whole", params="pinned_host", optimizer="pinned_host")
     assert planner.fraction(whole, step, (model, opt_state, tokens), 3) == "all or nothing"
+
+
+def test_the_planner_figure_draws_one_pricing(planner):
+    """The smoke run's figure drew ox.fit's plan at its jaxpr count (334 ms) beside the
+    presets at their compiled simulation (full_remat 253 ms), so it showed the planner
+    choosing a plan slower than two presets that the table put behind it. Every mark is
+    now at the simulation; a plan compiled over a budget has none (its memory only), and
+    the candidates priced by the count alone are counted, not drawn."""
+    gb = 1e9
+    result = {
+        "candidates": [
+            {"compiled_by": "ox.fit", "status": "best", "seconds": 0.334,
+             "simulated_seconds": 0.248, "device_bytes": 14.8 * gb},
+            {"compiled_by": "ox.fit", "status": "over the device budget by 1 GiB",
+             "seconds": 0.2, "simulated_seconds": None, "device_bytes": 90 * gb},
+            {"compiled_by": "planner", "status": "not compiled", "seconds": 0.3,
+             "simulated_seconds": None, "device_bytes": 13.2 * gb},
+            {"compiled_by": None, "status": "not compiled", "seconds": 0.1},
+        ],
+        "presets": [
+            {"plan": "full_remat", "device": 13.2 * gb, "seconds": 0.253, "fits": True},
+            {"plan": "minimal", "device": 95 * gb, "seconds": 0.2, "fits": False},
+            {"plan": "ox.fit", "device": 14.8 * gb, "seconds": 0.248, "fits": True},
+        ],
+    }  # fmt: skip
+    marks, hidden = planner.report.marks_of(result)
+    assert hidden == 1
+    assert marks == [
+        ("best", 14.8, pytest.approx(248.0)),
+        ("over", 90.0, None),
+        ("preset", 13.2, pytest.approx(253.0)),
+        ("preset over", 95.0, pytest.approx(200.0)),
+    ]
