@@ -241,10 +241,11 @@ def test_a_leaf_donated_while_the_save_reads_it_is_named_and_nothing_is_left(
     tree = _tree()
     before, threads = sorted(os.listdir(run_directory)), set(threading.enumerate())
     _inject(monkeypatch, stage, lambda call, path: tree["w"].delete())
-    with pytest.raises(ValueError, match=r"`tree\['w'\]` was deleted while this save was") as e:
+    with pytest.raises(ValueError, match=r"`tree\['w'\]` was deleted while this save of") as e:
         ox.save_checkpoint(run_directory / "step_1", tree)
     monkeypatch.undo()
     assert "wait=False" in str(e.value)
+    assert f"the checkpoint `{run_directory / 'step_1'}`" in str(e.value)  # which save
     _assert_left_as_before(run_directory, before, threads)
 
 
@@ -278,6 +279,7 @@ def test_saving_in_a_thread_while_a_step_donates_names_the_leaf_or_saves(run_dir
         names = sorted(os.listdir(run_directory))
         if outcome:  # donated before it was read (checked first) or while it was
             assert "`tree['w" in str(outcome[0]) and "deleted" in str(outcome[0])
+            assert f"step_{trial}`" in str(outcome[0])  # the checkpoint too
             assert names == ["notes.txt"]
         else:
             assert names == ["notes.txt", f"step_{trial}"]

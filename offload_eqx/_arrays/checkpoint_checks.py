@@ -377,17 +377,16 @@ def read_checksums(caller: str, path: str) -> dict[tuple[str, ...], Any] | None:
 
 
 def _check_readable(caller: str, path: str, file: str) -> None:
-    """The checksum file is a regular file, read through no symbolic link: a link to
-    `/dev/zero` or a device would be read until the memory runs out."""
+    """The checksum file is, or links to, a regular file (deduplicating tools link a
+    checkpoint's files to one copy): a device (`/dev/zero`) or a pipe would be read
+    forever or block; its size is bounded where it is read (`CHECKSUMS_LIMIT`)."""
     what = None
-    if os.path.islink(file):
-        what = f"a symbolic link (to `{os.readlink(file)}`)"
-    else:
-        try:
-            if not stat.S_ISREG(os.stat(file).st_mode):
-                what = "not a regular file (a device, a pipe or a directory)"
-        except OSError as error:
-            what = f"unreadable ({error.strerror})"
+    link = f" (a symbolic link to `{os.readlink(file)}`)" if os.path.islink(file) else ""
+    try:
+        if not stat.S_ISREG(os.stat(file).st_mode):
+            what = f"not a regular file (a device, a pipe or a directory){link}"
+    except OSError as error:
+        what = f"unreadable ({error.strerror}){link}"
     if what is not None:
         message = _CHECKSUMS_UNREAD.format(caller=caller, file=CHECKSUMS, path=path, what=what)
         raise ValueError(message)

@@ -38,8 +38,9 @@ from .._plan.walk import format_path
 from .checkpoint_checks import has_elements
 
 _DELETED_WHILE_SAVING = (
-    "{caller}: `{path}` was deleted while this save was writing it: a step donated it "
-    "(`donate=`), most likely from another thread, and nothing of this save is left. A "
+    "{caller}: `{path}` was deleted while this save of the checkpoint `{checkpoint}` was "
+    "writing it: a step donated it (`donate=`), most likely from another thread, and "
+    "nothing of this save is left (no `{checkpoint}`, no temporary directory). A "
     "save reads every array until it returns. To checkpoint while training goes on, "
     "call `ox.save_checkpoint(path, tree, wait=False)` from the training loop, between "
     "steps: it copies the arrays into host memory before it returns, and writes the "
@@ -268,7 +269,8 @@ def raise_named(caller: str, path: str, tree: Any, error: BaseException) -> None
     from it: an array donated meanwhile, a full disk, too many open files; else return."""
     leaf = _deleted_leaf(tree)
     if leaf is not None:
-        raise ValueError(_DELETED_WHILE_SAVING.format(caller=caller, path=leaf)) from error
+        message = _DELETED_WHILE_SAVING.format(caller=caller, path=leaf, checkpoint=path)
+        raise ValueError(message) from error
     arrays = [x for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)) if has_elements(x)]
     found = _code(error, _NO_SPACE_CODES)
     if found is not None:

@@ -51,8 +51,9 @@ from .place import abstract, check_not_deleted
 __all__ = ["restore_checkpoint", "save_checkpoint", "tree_deserialise_leaves"]
 
 _SAVE_OUTPUTS = (
-    "Save the step's outputs, which replace the donated inputs: after `model, opt_state, "
-    "loss = step(model, opt_state, x)`, `ox.save_checkpoint(path, (model, opt_state))`."
+    "Nothing of the checkpoint `{path}` was written. Save the step's outputs, which "
+    "replace the donated inputs: after `model, opt_state, loss = step(model, opt_state, "
+    "x)`, `ox.save_checkpoint(path, (model, opt_state))`."
 )
 _NO_ORBAX = (
     "{caller} needs Orbax (`orbax-checkpoint`), which is not installed. Install the "
@@ -153,7 +154,7 @@ def save_checkpoint(
         step in another thread donated it).
     """
     caller = "ox.save_checkpoint"
-    check_not_deleted(tree, "tree", caller, _SAVE_OUTPUTS)
+    check_not_deleted(tree, "tree", caller, _SAVE_OUTPUTS.format(path=os.fspath(path)))
     check_savable(caller, tree)
     check_unique_names(caller, eqx.filter(tree, eqx.is_array))
     ocp = _orbax(caller)
