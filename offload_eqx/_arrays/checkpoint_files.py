@@ -18,9 +18,9 @@ import numpy as np
 from .._declare.strategy import Strategy
 from .._plan.plan import Plan
 from .._plan.walk import format_path, is_array_leaf
+from .._sharding.memory_space import match_type
 from .._sharding.mesh import AnyMesh, put, typed
 from .checkpoint_checks import DIFFERENT_LEAF, EXTRA_LEAVES, MISSING_LEAF, describe
-from .place import match_type
 
 _NOT_EQUINOX = (
     "{caller}: where `{path}` should start, the file holds {what}, not a NumPy array: it "

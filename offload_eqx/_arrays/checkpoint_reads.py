@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._plan.walk import format_path, is_array_leaf
+from .._sharding.memory_space import match_type
 from .checkpoint_checks import (
     DATA_DAMAGED,
     DIFFERENT_LEAF,
@@ -38,7 +39,6 @@ from .checkpoint_checks import (
     key_of,
     read_checksums,
 )
-from .place import match_type
 
 Key = tuple[str, ...]
 

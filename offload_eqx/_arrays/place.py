@@ -13,7 +13,7 @@ from .._declare.placement import check_memory
 from .._declare.strategy import Strategy
 from .._plan.plan import Plan
 from .._plan.walk import format_keys, format_path
-from .._sharding.memory_space import to_host, type_matches
+from .._sharding.memory_space import match_type as match_type, retyped, to_host, type_matches
 from .._sharding.mesh import AnyMesh, check_mesh, check_spec, put, resolve_mesh, typed
 from .._trace.state import active_plan
 
@@ -36,29 +36,6 @@ def check_not_deleted(tree: Any, root: str, caller: str, fix: str) -> None:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
             path = format_path(root, keys)
             raise ValueError(_DELETED_LEAF.format(caller=caller, path=path, fix=fix))
-
-
-def _retyped(moved: jax.Array, sharding: Any) -> jax.Array:
-    """`device_put` returns an array already in place unchanged, even when its type
-    disagrees with its memory kind; retype it with an explicit move."""
-    if type_matches(moved):
-        return moved
-    host = sharding.memory_kind == "pinned_host"
-    space = jax.memory.Space.Host if host else jax.memory.Space.Device
-    return jax.device_put(moved, space)
-
-
-def match_type(x: Any) -> Any:
-    """`x` typed by the memory kind of its sharding, without copying. An array that
-    Orbax builds with a single-device sharding in `pinned_host` is typed as device
-    memory, and a step traced for it would compile it as device memory."""
-    if not isinstance(x, jax.Array) or isinstance(x, Tracer) or type_matches(x):
-        return x
-    sharding = typed(x.sharding)
-    if not isinstance(sharding, NamedSharding):  # no way to retype it in place
-        return _retyped(x, x.sharding)
-    shards = [shard.data for shard in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 def place(
@@ -90,7 +67,7 @@ def place(
             return leaf
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding and type_matches(leaf):
             return leaf
-        return _retyped(put(leaf, sharding), sharding)  # also across processes
+        return retyped(put(leaf, sharding), sharding)  # also across processes
 
     return jax.tree_util.tree_map(move, tree, shardings, is_leaf=lambda x: x is None)
 

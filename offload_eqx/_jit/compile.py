@@ -21,7 +21,6 @@ import jax.extend as jex
 import numpy as np
 from jax.core import eval_jaxpr
 
-from .._arrays.place import match_type
 from .._host.compute import (
     HOST_UPDATE,
     check_host_compute,
@@ -32,7 +31,13 @@ from .._host.compute import (
 )
 from .._plan.plan import LeafPlan, Plan
 from .._plan.walk import format_keys, is_array_leaf
-from .._sharding.memory_space import is_host_aval, is_host_typed, to_device, to_host
+from .._sharding.memory_space import (
+    is_host_aval,
+    is_host_typed,
+    match_type,
+    to_device,
+    to_host,
+)
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
 from .host_use import is_host_use, locate_host_use

@@ -5,9 +5,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.core import Tracer
 from jax.extend.core import set_current_trace
+from jax.sharding import NamedSharding
 
 from .._base.jax_private import current_trace, trace_of
+from .mesh import typed
 
 
 def is_host_typed(x: Any) -> bool:
@@ -122,3 +125,26 @@ def label_in(stack: str) -> tuple[str, str] | None:
     inner = stack[start + len(LABEL_SCOPE) + 1 :]
     kind, _, rest = inner.partition("=")
     return kind, rest[: rest.rfind("]")] if "]" in rest else rest
+
+
+def retyped(moved: jax.Array, sharding: Any) -> jax.Array:
+    """`device_put` returns an array already in place unchanged, even when its type
+    disagrees with its memory kind; retype it with an explicit move."""
+    if type_matches(moved):
+        return moved
+    host = sharding.memory_kind == "pinned_host"
+    space = jax.memory.Space.Host if host else jax.memory.Space.Device
+    return jax.device_put(moved, space)
+
+
+def match_type(x: Any) -> Any:
+    """`x` typed by the memory kind of its sharding, without copying. An array that
+    Orbax builds with a single-device sharding in `pinned_host` is typed as device
+    memory, and a step traced for it would compile it as device memory."""
+    if not isinstance(x, jax.Array) or isinstance(x, Tracer) or type_matches(x):
+        return x
+    sharding = typed(x.sharding)
+    if not isinstance(sharding, NamedSharding):  # no way to retype it in place
+        return retyped(x, x.sharding)
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
