@@ -2,14 +2,16 @@
 
 Orbax writes every save for `<name>` into the one temporary directory
 `<name>.orbax-checkpoint-tmp`: two saves for one path wrote into it together and left a
-checkpoint mixed of both, or nothing. Each `ox.save_checkpoint` writes into a directory of
-its own beside the checkpoint (`<name>.offload_eqx-tmp-<random>`, made by
-`tempfile.mkdtemp`, on the same file system), then renames the finished checkpoint to
-`<name>` in one step: a checkpoint is complete or absent. Of two saves racing for one path
+checkpoint mixed of both, or nothing. Each `ox.save_checkpoint` makes a directory of
+its own beside the checkpoint (`<name>.offload_eqx-tmp-<random>`, the name cut to fit
+a file name's 255 bytes; made by `tempfile.mkdtemp`, on the same file system), writes the
+checkpoint there as `checkpoint`, then renames it to `<name>` in one step: a checkpoint
+is complete or absent. Of two saves racing for one path
 the first to finish wins; the other finds `<name>` taken, discards its own and raises. A
 save that fails for any reason, or whose caller is interrupted, removes its directory
 (once every writer has stopped: `checkpoint_writers`). A path Orbax cannot read back (one
-with `[` or `]`, which it globs) is refused before anything is written.
+with `[` or `]`, which it globs, or `\\`, which TensorStore reads as a separator) is
+refused before anything is written.
 """
 
 import contextlib
