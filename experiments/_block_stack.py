@@ -36,7 +36,8 @@ class Stack(eqx.Module):
         return ox.scan(self.blocks, x)
 
 
-def _make(key, layers: int, d: int) -> Stack:
+def make_stack(key, layers: int = 130, d: int = 8192) -> Stack:
+    """The stack's weights, bfloat16, scaled by their fan-in."""
     k1, k2 = jax.random.split(key)
     w = lambda k, a, b: jax.random.normal(k, (layers, a, b), jnp.bfloat16) * a**-0.5  # noqa: E731
     return Stack(Block(w(k1, d, 4 * d), w(k2, 4 * d, d)))
@@ -53,7 +54,7 @@ def run(layers: int = 130, d: int = 8192, batch: int = 16, seq: int = 4096) -> d
         model, opt_state = ox.update_and_apply(opt, grads, opt_state, model)
         return model, opt_state, loss
 
-    model = eqx.filter_eval_shape(_make, jax.random.key(0), layers, d)
+    model = eqx.filter_eval_shape(make_stack, jax.random.key(0), layers, d)
     state = eqx.filter_eval_shape(opt.init, model)
     x = jax.ShapeDtypeStruct((batch, seq, d), jnp.bfloat16)
     step = ox.filter_jit(train_step, donate="all")

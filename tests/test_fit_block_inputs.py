@@ -4,6 +4,9 @@ residual; only offloading it frees the device. The search must not judge the pla
 offloads it as keeping at least what the plan that recomputes it kept (which is what it
 did: "no plan fits", where the README's block stack fits with `x` offloaded)."""
 
+import pathlib
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,31 +15,19 @@ import pytest
 
 import offload_eqx as ox
 
+# The README's block stack, `x` named at the block's top (`largest_models.py --block-stack`).
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+try:
+    import _block_stack as block_stack  # pyright: ignore[reportMissingImports]
+finally:
+    sys.path.remove(str(EXPERIMENTS))
+
 pytestmark = pytest.mark.deviceless
 
 
-class Block(eqx.Module):
-    w_in: jax.Array = ox.field(memory="pinned_host")
-    w_out: jax.Array = ox.field(memory="pinned_host")
-
-    def __call__(self, x):
-        x = ox.name(x, "x")  # the block's input, named at its top
-        h = ox.name(jax.nn.gelu(x @ self.w_in), "h")
-        return x + h @ self.w_out
-
-
-class Stack(eqx.Module):
-    blocks: Block
-    activations: ox.Activations = ox.activations(x="offload", h="remat")
-
-    def __call__(self, x):
-        return ox.scan(self.blocks, x)
-
-
 def _make(key, layers=16, d=256):
-    k1, k2 = jax.random.split(key)
-    w = lambda k, a, b: jax.random.normal(k, (layers, a, b), jnp.bfloat16) * a**-0.5  # noqa: E731
-    return Stack(Block(w(k1, d, 4 * d), w(k2, 4 * d, d)))
+    return block_stack.make_stack(key, layers, d)
 
 
 def test_fit_offloads_the_block_input_where_only_that_fits():
