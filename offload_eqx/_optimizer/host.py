@@ -205,6 +205,18 @@ class HostUpdate:
         (`update="host_sliced"`)."""
         return self.where(state) == "host_sliced"
 
+    def _form(self, state: Any) -> dict[str, bool]:
+        """How `on_host` lays out the update: per parameter (`split`), a slice at a time
+        (`sliced`: the plan's `"host_sliced"`, or any delayed update on XLA:GPU not asked
+        whole), every group in slices (`slice_all`)."""
+        delayed = delayed_tx(self.inner) is not None
+        slice_all = _slice_all(delayed)
+        return {
+            "split": _split_calls(delayed),
+            "sliced": self._sliced(state) or slice_all,
+            "slice_all": slice_all,
+        }
+
     def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         if not self.on_host(state):
             return self.device_update(updates, state, params, **extra_args)
@@ -226,9 +238,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(delayed_tx(self.inner) is not None),
-            sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
-            slice_all=_slice_all(delayed_tx(self.inner) is not None),
+            **self._form(state),
             reuse={1: 1},  # the new state replaces the state
             name=self._name("optimizer update"),
             labels=(("gradient", "grads"), ("optimizer", "opt_state"), ("parameter", "params")),
@@ -290,9 +300,7 @@ class HostUpdate:
             extra_args,
             ready,
             flatten=flatten_transfers(),
-            split=_split_calls(delayed_tx(self.inner) is not None),
-            sliced=self._sliced(state) or _slice_all(delayed_tx(self.inner) is not None),
-            slice_all=_slice_all(delayed_tx(self.inner) is not None),
+            **self._form(state),
             reuse={0: 3, 2: 1},  # the new host parameters and state replace the old
             name=self._name("optimizer update and apply"),
             labels=(
