@@ -174,6 +174,8 @@ def slice_program(closed: ClosedJaxpr, chunks: int) -> Callable[..., list]:
     assert size is not None and size % chunks == 0
     length = size // chunks
 
+    on_slices = slices_program(closed, chunks)
+
     def run(k: Any, *operands: Any) -> list:
         parts = [
             jax.lax.dynamic_index_in_dim(jnp.reshape(x, (chunks, length)), k, keepdims=False)
@@ -181,9 +183,20 @@ def slice_program(closed: ClosedJaxpr, chunks: int) -> Callable[..., list]:
             else x
             for x, v in zip(operands, closed.jaxpr.invars)
         ]
-        return _eval(closed.jaxpr, closed.consts, parts, size, length)
+        return on_slices(*parts)
 
     return run
+
+
+def slices_program(closed: ClosedJaxpr, chunks: int) -> Callable[..., list]:
+    """`run(*parts)`: `closed`'s results on one of `chunks` equal slices of the flat
+    element order, given its operands of `elements(closed)` elements as their slices
+    (one-dimensional, sliced by the caller: in host memory, before a fetch) and the
+    others whole."""
+    size = elements(closed)
+    assert size is not None and size % chunks == 0
+    length = size // chunks
+    return lambda *parts: _eval(closed.jaxpr, closed.consts, parts, size, length)
 
 
 def chunk_count(closed: ClosedJaxpr, bound: int | None = None) -> int:

@@ -38,6 +38,7 @@ from .state import (
     trainable,
 )
 from .stream import StreamedUpdate, stream_init
+from .whole_slices import apply_in_slices, update_in_slices
 
 STREAMS = (None, "leaf", "layer")
 
@@ -161,12 +162,19 @@ def _whole_state(
         updates = trainable(updates)
         check_matches(type(state)(eval_shape(inner.init, shapes(updates))), state, name=NAME)
         mask = host_mask(state.inner)
+        if params is not None:
+            params = trainable(params)
+        # Large elementwise groups (one parameter's update) a slice at a time, where the
+        # state lives; anything else whole, its operands fetched first.
+        sliced = update_in_slices(inner, updates, state.inner, params, extra_args)
+        if sliced is not None:
+            new_updates, new_inner = sliced
+            return new_updates, type(state)(restore_memory(mask, new_inner))
         # Fetched in this order (state, gradients, parameters): the audit lists transfers
         # in program order, and the README's table shows it.
         inner_state = on_device(state.inner)
         updates = on_device(updates)
-        if params is not None:
-            params = on_device(trainable(params))
+        params = None if params is None else on_device(params)
         new_updates, new_inner = call_update(inner, updates, inner_state, params, extra_args)
         return new_updates, type(state)(restore_memory(mask, new_inner))
 
@@ -320,6 +328,11 @@ def update_and_apply(
             grads, opt_state, params, **extra_args
         )
         return combine_results(params, others, new_host, opt.update.writes_values), opt_state
+    if isinstance(opt.update, HostUpdate) and not opt.update.writes_values:
+        _check_updates(params, grads)
+        applied = apply_in_slices(opt.update.inner, grads, opt_state, params, extra_args)
+        if applied is not None:
+            return applied
     if isinstance(opt.update, HostUpdate) and opt.update.writes_values:
         _check_updates(params, grads)
         new_values, opt_state = opt.update.device_update_and_apply(

@@ -49,6 +49,7 @@ from .._trace.state import active_plan, argument_path
 from .checks import check_elementwise, check_per_leaf, is_stacked
 from .host import HostUpdate, combine_results
 from .masters import step_values, value_writer
+from .slices import Slices, layer_slices, weight_slices
 from .state import (
     NAME,
     StreamState,
@@ -79,41 +80,49 @@ def _device_leaves(leaves: list) -> list:
     return [x for x in leaves if eqx.is_array(x) and not is_host_typed(x)]
 
 
-def _slice_shape(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
-
-
-def _index(x: Any, i: Any) -> Any:
-    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-
-
-def _write(buffer: Any, value: Any, i: Any) -> Any:
+def _write(slices: Slices, buffer: Any, value: Any, i: Any) -> Any:
     """Write `value` (on the device) as slice `i` of `buffer`, sending it to host memory
     first when `buffer` is host-typed (XLA then updates the host buffer in place)."""
     value = to_host(value) if is_host_typed(buffer) else to_device(value)
-    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
+    return slices.write(buffer, value.astype(buffer.dtype), i)
+
+
+def _plan_sharding(grad: Any, leaf_state: Any, param: Any, memory: str) -> Any:
+    """The sharding the plan gives the parameter `grad` mirrors (without parameters, its
+    optimizer state's), in `memory`; None off a mesh or for a leaf the plan does not shard."""
+    plan = active_plan()
+    if plan is None or plan.mesh is None:
+        return None
+    for leaf in [param, *jax.tree_util.tree_leaves(leaf_state)]:
+        if eqx.is_array(leaf) and np.shape(leaf) == np.shape(grad):
+            sharding = plan.mirrored_sharding(argument_path(leaf), memory)
+            if sharding is not None:
+                return sharding
+    return None
+
+
+def _sharded_axes(grad: Any, leaf_state: Any, param: Any) -> tuple[bool, ...]:
+    """Which axes of `grad`'s leaf the mesh shards (under `Explicit` axes its type says)."""
+    sharding = _plan_sharding(grad, leaf_state, param, "device")
+    spec = getattr(sharding or getattr(jax.typeof(grad), "sharding", None), "spec", None)
+    return () if spec is None else tuple(entry is not None for entry in spec)
 
 
 def _sharded_like_its_leaf(grad: Any, leaf_state: Any, param: Any) -> Any:
     """On a mesh, `grad` constrained to the sharding the plan gives the parameter it
-    mirrors (without parameters, its optimizer state's). The per-layer loop then slices
-    the gradient, the parameter and the state alike; left to the partitioner, a gradient
-    sharded as the backward pass made it (FSDP: on another axis) is resharded whole,
-    every stacked layer of it, on each trip of the loop. Under `Explicit` axes there is
-    nothing to do: a gradient's type carries its parameter's sharding already."""
+    mirrors (`_plan_sharding`). The per-slice loop then slices the gradient, the parameter
+    and the state alike; left to the partitioner, a gradient sharded as the backward pass
+    made it (FSDP: on another axis) is resharded whole, every stacked layer of it, on each
+    trip of the loop. Under `Explicit` axes there is nothing to do: a gradient's type
+    carries its parameter's sharding already."""
     plan = active_plan()
     if plan is None or plan.mesh is None:
         return grad
     if any(t == jax.sharding.AxisType.Explicit for t in plan.mesh.axis_types):
         return grad
     memory = "pinned_host" if is_host_typed(grad) else "device"
-    mirrors = [param, *jax.tree_util.tree_leaves(leaf_state)]
-    for leaf in mirrors:
-        if eqx.is_array(leaf) and np.shape(leaf) == np.shape(grad):
-            sharding = plan.mirrored_sharding(argument_path(leaf), memory)
-            if sharding is not None:
-                return jax.lax.with_sharding_constraint(grad, sharding)
-    return grad
+    sharding = _plan_sharding(grad, leaf_state, param, memory)
+    return grad if sharding is None else jax.lax.with_sharding_constraint(grad, sharding)
 
 
 def _zeros_like(shape: Any) -> Any:
@@ -137,6 +146,7 @@ class StreamedUpdate:
         self.global_tx = optax.identity() if global_transform is None else global_transform
         self.layers = layers
         self.master_dtype = master_dtype
+        self._checked: dict[tuple, bool] = {}  # (shape, dtype) -> elementwise
 
     def _global_update(self, grads, global_state, params, extra_args):
         """`global_transform` on all gradients at once; with masters, on the gradients
@@ -171,8 +181,9 @@ class StreamedUpdate:
         update, new_state = call_update(self.tx, *operands)
         return update, restore_memory(mask, new_state)
 
-    def _streamed(self, grad, leaf_state, param, extra_args, apply):
-        """One stacked leaf's update, one layer slice per iteration of a `fori_loop`.
+    def _streamed(self, grad, leaf_state, param, extra_args, apply, slices):
+        """One leaf's update, one slice (`slices`: a layer of a stacked leaf, or a slice
+        of one weight) per iteration of a `fori_loop`.
 
         The loop carries the host (or device) arrays that receive the results: the new
         state leaves, and the new parameter (`apply`) or the updates (written over the
@@ -188,11 +199,11 @@ class StreamedUpdate:
         sliced = [not v and np.ndim(x) > 0 for x, v in zip(state_leaves, value)]
         update_shape = eval_shape(
             lambda g, s, p: call_update(tx, g, s, p, extra_args)[0],
-            _slice_shape(grad),
+            slices.shape(grad),
             jax.tree_util.tree_map(
-                lambda x: _slice_shape(x) if eqx.is_array(x) and np.ndim(x) else x, leaf_state
+                lambda x: slices.shape(x) if eqx.is_array(x) and np.ndim(x) else x, leaf_state
             ),
-            None if param is None else _slice_shape(param),
+            None if param is None else slices.shape(param),
         )
         if apply:
             out = param
@@ -210,16 +221,16 @@ class StreamedUpdate:
 
         def body(i, carry):
             out, buffers, _ = carry
-            g = to_device(_index(out if reuse else grad, i))
+            g = to_device(slices.read(out if reuse else grad, i))
             if param is None:
                 p = None
             elif writes:  # masters write the new slice: its dtype is all they read of it
-                p = _slice_shape(param)
+                p = slices.shape(param)
             else:
-                p = to_device(_index(out if apply else param, i))
+                p = to_device(slices.read(out if apply else param, i))
             old = iter(buffers)
             state = [
-                to_device(_index(next(old), i)) if s else x for s, x in zip(sliced, scalars_in)
+                to_device(slices.read(next(old), i)) if s else x for s, x in zip(sliced, scalars_in)
             ]
             old_state = jax.tree_util.tree_unflatten(state_def, state)
             if apply:  # the new slice of the parameter
@@ -228,18 +239,16 @@ class StreamedUpdate:
                 update, new_state = call_update(tx, g, old_state, p, extra_args)
                 result = update.astype(out.dtype)
             new_leaves = jax.tree_util.tree_leaves(new_state)
-            out = _write(out, result, i)
+            out = _write(slices, out, result, i)
             old = iter(buffers)
-            buffers = [_write(next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
+            buffers = [_write(slices, next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
             scalars = [x for x, s, v in zip(new_leaves, sliced, value) if not (s or v)]
             new_values[:] = [x for x, v in zip(new_leaves, value) if v]
             return out, buffers, scalars
 
         buffers = [x for x, s in zip(state_leaves, sliced) if s]
         scalars = [x for x, s, v in zip(scalars_in, sliced, value) if not (s or v)]
-        out, buffers, scalars = jax.lax.fori_loop(
-            0, np.shape(grad)[0], body, (out, buffers, scalars)
-        )
+        out, buffers, scalars = jax.lax.fori_loop(0, slices.count, body, (out, buffers, scalars))
         new_buffers, new_scalars, values = iter(buffers), iter(scalars), iter(new_values)
         new_leaves = [
             next(new_buffers)
@@ -336,21 +345,49 @@ class StreamedUpdate:
         )
         return jax.tree_util.tree_unflatten(treedef, outs), type(state)(new_inner)
 
+    def _slices(self, grad: Any, leaf_state: Any, param: Any) -> Slices | None:
+        """How the loop cuts this leaf: by layer when stacked, in slices of the weight
+        when it is large and `tx` is elementwise on it, else None (updated whole)."""
+        if is_stacked(grad, self.layers):
+            return layer_slices(np.shape(grad)[0])
+        arrays = [x for x in jax.tree_util.tree_leaves(leaf_state) if eqx.is_array(x)]
+        itemsize = max(jnp.dtype(x.dtype).itemsize for x in [grad, *arrays])
+        cut = weight_slices(np.shape(grad), itemsize, _sharded_axes(grad, leaf_state, param))
+        return cut if cut is not None and self._elementwise(grad) else None
+
+    def _elementwise(self, grad: Any) -> bool:
+        """Whether `tx` treats every element of a leaf like `grad` on its own (traced
+        once per shape and dtype): only then may the leaf be updated a slice at a time."""
+        key = (np.shape(grad), jnp.dtype(grad.dtype))
+        if key not in self._checked:
+            try:
+                check_elementwise(self.tx, jax.ShapeDtypeStruct(*key))
+                self._checked[key] = True
+            except Exception:  # not elementwise, or not traceable alone: updated whole
+                self._checked[key] = False
+        return self._checked[key]
+
     def _one_leaf(self, grad, leaf_state, param, extra_args, apply, token):
-        streamed = is_stacked(grad, self.layers)
-        compute = self._streamed if streamed else self._whole
-        if streamed:
+        slices = self._slices(grad, leaf_state, param)
+        if slices is not None:
             grad = _sharded_like_its_leaf(grad, leaf_state, param)
+            if not slices.squeeze:
+                # One weight's gradient, whole on the device where the update runs (the
+                # backward pass made it there: XLA drops the round trip to host memory).
+                grad = to_device(grad)
 
         def run(grad, leaf_state, param):
-            out, new_state = compute(grad, leaf_state, param, extra_args, apply)
+            if slices is None:
+                out, new_state = self._whole(grad, leaf_state, param, extra_args, apply)
+            else:
+                out, new_state = self._streamed(grad, leaf_state, param, extra_args, apply, slices)
             # A device value computed after the leaf's update, for the next gate (the
             # results may all be host-typed); opaque, so not folded to a constant.
             computed = eqx.filter((out, new_state), eqx.is_array)  # not its Python values
             done, _ = jax.lax.optimization_barrier((jnp.asarray(True), computed))
             return out, new_state, done
 
-        if streamed:
+        if slices is not None:
             # The loop is one instruction to the scheduler already: the copies in its
             # body depend on the iteration, so none can be hoisted out. Outside a `cond`
             # the loop updates the (donated) host buffers in place; inside one, XLA

@@ -1,0 +1,81 @@
+"""How a streamed update cuts one leaf for its `fori_loop`: the layer slices of a stacked
+leaf (`stream="layer"`), or, for any large leaf of an elementwise transformation, slices
+of one weight, so that only a slice of its state is on the device at a time.
+
+A weight updated whole holds its gradient, its fetched state and parameter and their new
+values on the device together: for Adam on one 2048 x 2048 float32 weight, six copies of
+the weight (96 MiB), where keeping everything on the device updates three in place
+(65 MiB for the whole step). Cut into slices of at most `SLICE_BYTES`, the update holds
+the gradient and one slice of the rest. The cut is along an axis the mesh does not shard
+(a dynamic slice of a sharded axis would gather the leaf on every device), into a number
+of slices that divides it (so every slice has one static shape).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+# A weight's slices: at most 4 MiB of each of its state leaves at a time, and at most 64
+# trips of the loop (each trip is a few copies; on an H100 a copy costs ~10 us to start).
+SLICE_BYTES = 4 * 2**20
+MAX_SLICES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Slices:
+    """`count` slices of `size` along `axis`; `squeeze` drops the axis from each slice
+    (one layer of a stacked leaf is a slice of size 1 along its leading axis)."""
+
+    axis: int
+    size: int
+    count: int
+    squeeze: bool
+
+    def shape(self, x: Any) -> jax.ShapeDtypeStruct:
+        """The abstract value of one slice of `x`."""
+        shape = list(np.shape(x))
+        if self.squeeze:
+            del shape[self.axis]
+        else:
+            shape[self.axis] = self.size
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    def read(self, x: Any, i: Any) -> Any:
+        """Slice `i` of `x`, where `x` is (in host memory, sliced there)."""
+        part = jax.lax.dynamic_slice_in_dim(x, i * self.size, self.size, self.axis)
+        return jax.lax.squeeze(part, (self.axis,)) if self.squeeze else part
+
+    def write(self, buffer: Any, value: Any, i: Any) -> Any:
+        """`buffer` with slice `i` replaced by `value` (of `buffer`'s memory space)."""
+        if self.squeeze:
+            value = jax.lax.expand_dims(value, (self.axis,))
+        return jax.lax.dynamic_update_slice_in_dim(buffer, value, i * self.size, self.axis)
+
+
+def layer_slices(layers: int) -> Slices:
+    """One layer at a time of a leaf stacked along a leading axis of `layers`."""
+    return Slices(axis=0, size=1, count=layers, squeeze=True)
+
+
+def weight_slices(shape: tuple, itemsize: int, sharded: tuple[bool, ...]) -> Slices | None:
+    """The slices of a leaf of `shape` whose state leaves have at most `itemsize` bytes an
+    element, cut along an axis not `sharded` (one flag per axis): the fewest slices of at
+    most `SLICE_BYTES`, or else the most that divide an axis up to `MAX_SLICES`; None for a
+    leaf of at most `SLICE_BYTES` (updated whole) or one no free axis can cut."""
+    nbytes = math.prod(shape) * itemsize
+    if nbytes <= SLICE_BYTES:
+        return None
+    free = [axis for axis, n in enumerate(shape) if not (axis < len(sharded) and sharded[axis])]
+    best: Slices | None = None
+    for axis in free:
+        n = shape[axis]
+        counts = [c for c in range(2, min(n, MAX_SLICES) + 1) if n % c == 0]
+        small = [c for c in counts if nbytes / c <= SLICE_BYTES]
+        if small:
+            return Slices(axis=axis, size=n // small[0], count=small[0], squeeze=False)
+        if counts and (best is None or counts[-1] > best.count):
+            best = Slices(axis=axis, size=n // counts[-1], count=counts[-1], squeeze=False)
+    return best

@@ -1,0 +1,227 @@
+"""The device update of `stream=None`, one parameter's group at a time, a large group in
+slices.
+
+Fetched whole, the update of an offloaded state holds on the device the fetched state,
+the gradients, the fetched parameters and the new state beside them, until the new
+state's copies to host memory end: XLA gives each result a buffer of its own. For Adam
+on one 2048 x 2048 float32 weight in host memory that is six copies of the weight
+(96.5 MiB for the step, deviceless h100) where keeping everything on the device updates
+three in place (65.0 MiB).
+
+Here the update is traced once on the whole tree (optax's own update: its results are
+the definition's) and split as the host update is (`host_split.result_groups`): into
+groups of results that read the same large operands, one parameter's gradient, state and
+value. A group that is elementwise (`host_chunks`: Adam, AdamW, SGD, Lion are) and whose
+results exceed `SLICE_BYTES` runs in a `fori_loop` over slices of its flat element order:
+a trip fetches its slice of the state (and parameter), computes it, and writes the new
+state's slice over the old one where it lives (host memory, in place: the state is
+donated) and the update's slice over the gradient. The device then holds the gradients,
+which the backward pass left there, and one slice. Other groups (a bias, a
+transformation that is not elementwise) are computed whole, after their operands are
+fetched; a transformation that couples all parameters (`clip_by_global_norm` in the
+chain) makes one group, and the update stays whole. On a mesh of several devices it
+stays whole too: a flat slice of a sharded leaf would gather it.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.core import eval_jaxpr
+
+from .._host.calls import device_aval
+from .._host.chunks import chunk_count, elements, slices_program
+from .._host.split import group_program, result_groups
+from .._sharding.memory_space import is_host_typed, to_device, to_host
+from .._trace.state import active_plan
+from .state import (
+    NAME,
+    call_update,
+    check_matches,
+    check_ours,
+    eval_shape,
+    host_mask,
+    on_device,
+    restore_memory,
+    shapes,
+    trainable,
+)
+
+# A group's results are computed in slices of at most this many bytes (each trip also
+# holds the slices of its operands: about twice as much on the device).
+SLICE_BYTES = 8 * 2**20
+
+
+def _size(x: Any) -> int:
+    """The number of elements of an array, a tracer or an abstract value."""
+    return int(np.prod(getattr(x, "shape", np.shape(x)), dtype=np.int64))
+
+
+def update_in_slices(
+    inner: Any, grads: Any, state: Any, params: Any, extra: dict, apply: bool = False
+) -> Any:
+    """`call_update(inner, grads, state, params, extra)` with each large elementwise group
+    computed in slices (see the module's docstring): `(updates, new state)`, the new
+    state's sliced leaves written where the old ones live, a sliced update where its
+    parameter lives (over the gradient on the device, or into host memory for a
+    host-resident parameter, whose gradient is host-typed). With `apply`,
+    `(new parameters, new state)`: `optax.apply_updates` in the same slices, each new
+    slice written over the parameter where it lives. None where no group is sliced (the
+    caller computes the update whole, as it did)."""
+    plan = active_plan()
+    if plan is not None and plan.mesh is not None and plan.mesh.size > 1:
+        return None
+    arrays, values = eqx.partition(state, eqx.is_array)
+    extra_arrays, extra_values = eqx.partition(extra, eqx.is_array)
+    parts = [on_device(grads), arrays, params, extra_arrays]
+    flat, defs = zip(*(jax.tree_util.tree_flatten(part) for part in parts))
+    bounds = [int(b) for b in np.cumsum([0, *(len(f) for f in flat)])]
+    out_defs: list = []
+
+    def flat_update(*operands: Any) -> list:
+        g, s, p, e = (
+            jax.tree_util.tree_unflatten(d, operands[a:b])
+            for d, a, b in zip(defs, bounds[:-1], bounds[1:])
+        )
+        e = eqx.combine(e, extra_values)
+        updates, new = call_update(inner, g, eqx.combine(s, values), p, e)
+        if apply:
+            updates = optax.apply_updates(p, updates)
+        new_arrays, new_values = eqx.partition(new, eqx.is_array)
+        leaves = [jax.tree_util.tree_flatten(t) for t in (updates, new_arrays)]
+        out_defs[:] = [leaves[0][1], leaves[1][1], new_values]
+        return [*leaves[0][0], *leaves[1][0]]
+
+    operands = [x for f in flat for x in f]
+    closed = jax.make_jaxpr(flat_update)(*[device_aval(x) for x in operands])
+    update_def, state_def, new_values = out_defs
+    if state_def != defs[1]:  # the new state's arrays do not mirror the old ones
+        return None
+    # Which operand each result may be written over: an update over its gradient, a new
+    # state leaf over the old one.
+    n_updates = update_def.num_leaves
+    if n_updates != len(flat[0]):
+        return None
+    host = [is_host_typed(g) for g in jax.tree_util.tree_leaves(grads)]
+    first = bounds[2] if apply else 0  # new values over the parameters, else updates
+    slots = {j: first + j for j in range(n_updates) if apply or not host[j]}
+    slots.update({n_updates + s: bounds[1] + s for s in range(len(flat[1]))})
+    to_host_memory = {j for j in range(n_updates) if host[j] and not apply}
+    outs = _grouped(closed, operands, slots, to_host_memory)
+    if outs is None:
+        return None
+    updates = jax.tree_util.tree_unflatten(update_def, outs[:n_updates])
+    new_arrays = jax.tree_util.tree_unflatten(state_def, outs[n_updates:])
+    return updates, eqx.combine(new_arrays, new_values)
+
+
+def apply_in_slices(
+    inner: Any, grads: Any, opt_state: Any, params: Any, extra: dict
+) -> tuple[Any, Any] | None:
+    """`ox.update_and_apply` of `stream=None` on the device: the update and
+    `optax.apply_updates` in the same slices of each large elementwise group, every new
+    slice written over its parameter where it lives. `(new_params, new_opt_state)`, or
+    None where no group is sliced."""
+    check_ours(opt_state, streamed=False, name=NAME)
+    grads = trainable(grads)
+    check_matches(type(opt_state)(eval_shape(inner.init, shapes(grads))), opt_state, name=NAME)
+    applied = update_in_slices(inner, grads, opt_state.inner, trainable(params), extra, apply=True)
+    if applied is None:
+        return None
+    new_values, new_inner = applied
+    mask = host_mask(opt_state.inner)
+    return eqx.combine(new_values, params), type(opt_state)(restore_memory(mask, new_inner))
+
+
+def _grouped(
+    closed: Any, operands: list, slots: dict[int, int], to_host_memory: set[int]
+) -> list | None:
+    """`closed`'s results computed group by group (None if no group is sliced): a sliced
+    result written over the operand `slots` names, or into a fresh buffer, in host memory
+    for those in `to_host_memory`."""
+    groups = result_groups(closed, cap=0)  # one parameter's results each
+    programs = []
+    for group in groups:
+        rest = [j for j in group if _size(closed.out_avals[j]) > 1]
+        program, used = group_program(closed, rest or group)
+        chunks = chunk_count(program, SLICE_BYTES) if rest else 1
+        programs.append((group, rest if chunks > 1 else [], program, used, chunks))
+    if all(chunks == 1 for *_, chunks in programs):
+        return None
+    readers: dict[int, int] = {}  # operand -> the group that reads it
+    for number, (*_, used, _chunks) in enumerate(programs):
+        readers.update((i, number) for i, u in enumerate(used) if u)
+    outs: list = [None] * len(closed.out_avals)
+    for number, (group, rest, program, used, chunks) in enumerate(programs):
+        whole = [j for j in group if j not in rest]
+        if whole:
+            small, small_used = group_program(closed, whole)
+            reads = [to_device(x) for x, u in zip(operands, small_used) if u]
+            for j, result in zip(whole, eval_jaxpr(small.jaxpr, small.consts, *reads)):
+                outs[j] = result
+        if rest:
+            targets = [
+                slots[j]
+                if j in slots
+                and readers.get(slots[j], number) == number
+                and _fits(operands[slots[j]], closed.out_avals[j])
+                else ("host" if j in to_host_memory else None)
+                for j in rest
+            ]
+            results = _in_slices(program, used, operands, targets, chunks)
+            for j, result in zip(rest, results):
+                outs[j] = result
+    return outs
+
+
+def _fits(operand: Any, aval: Any) -> bool:
+    """Whether a result of type `aval` can be written over `operand`."""
+    return operand.dtype == aval.dtype and _size(operand) == _size(aval)
+
+
+def _buffer(operands: list, target: Any, aval: Any) -> Any:
+    """Where a sliced result is written: the operand `target` indexes, or fresh zeros on
+    the device (None) or in host memory (`"host"`: zeros moved there, as JAX's own
+    offloading makes a host buffer, which XLA turns into a host allocation)."""
+    if isinstance(target, int):
+        return operands[target]
+    zeros = jnp.zeros(aval.shape, aval.dtype)
+    return to_host(zeros) if target == "host" else zeros
+
+
+def _in_slices(program: Any, used: list, operands: list, targets: list, chunks: int) -> list:
+    """`program` (closed, elementwise) in `chunks` slices of its flat element order: trip
+    `k` fetches slice `k` of each operand of the group's size (the others whole), computes
+    the results' slices on the device and writes each into its buffer, the operand
+    `targets[j]` (whose old slice `k` the trip has read) or a fresh one (in host memory
+    where `targets[j]` is `"host"`)."""
+    size = elements(program)
+    run = slices_program(program, chunks)
+    reads = [i for i, u in enumerate(used) if u]
+    avals = program.out_avals
+    init = [_buffer(operands, t, aval) for t, aval in zip(targets, avals)]
+    init = [jnp.reshape(x, (chunks, -1)) for x in init]
+    slots = [t if isinstance(t, int) else None for t in targets]
+    from_carry = {p: slots.index(i) for p, i in enumerate(reads) if i in slots}
+    sliced = [_size(operands[i]) == size for i in reads]
+    given = [
+        jnp.reshape(operands[i], (chunks, -1)) if s else operands[i] for i, s in zip(reads, sliced)
+    ]
+
+    def body(k: Any, carry: list) -> list:
+        current = [carry[from_carry[p]] if p in from_carry else x for p, x in enumerate(given)]
+        parts = [
+            to_device(jax.lax.dynamic_index_in_dim(x, k, keepdims=False) if s else x)
+            for x, s in zip(current, sliced)
+        ]
+        results = run(*parts)
+        return [
+            jax.lax.dynamic_update_index_in_dim(c, (to_host(r) if is_host_typed(c) else r), k, 0)
+            for c, r in zip(carry, results)
+        ]
+
+    final = jax.lax.fori_loop(0, chunks, body, init)
+    return [jnp.reshape(x, aval.shape) for x, aval in zip(final, avals)]
