@@ -3,9 +3,9 @@
 
 The state of any optax `GradientTransformation` lives in pinned host memory between
 steps (its scalars, such as Adam's step count, stay on the device), sharded like the
-parameter each leaf mirrors. `stream=None` fetches the whole state for the update;
-`stream="leaf"` and `stream="layer"` fetch one parameter (one layer slice) at a time
-(see `stream`).
+parameter each leaf mirrors. `stream=None` updates one parameter's group at a time,
+large ones in slices (`whole_slices`); `stream="leaf"` and `stream="layer"` fetch one
+parameter (one layer slice) at a time (see `stream`).
 """
 
 from typing import Any, cast
@@ -219,8 +219,11 @@ def offload_optimizer(
         `"offload_activations"`, `"offload_params"`, `optimizer="device"`) updates on the
         device; any other (`"annotated"`, `"offload_optimizer"`, `"hybrid"`) as declared.
     - `stream`: how a device update fetches the state.
-        - `None` (default): the whole state at once, for `optax.chain(global_transform,
-          tx)`; XLA schedules the copies (the whole state is on the device together).
+        - `None` (default): the update of `optax.chain(global_transform, tx)`, split
+          into one group per parameter; an elementwise group over 8 MiB (Adam, SGD,
+          ...) a slice at a time, where its state lives, the others fetched whole
+          (a global transformation in the chain makes one group: the whole state at
+          once). XLA orders the groups.
         - `"leaf"`: one parameter's state at a time, each in its own `jax.lax.cond`
           gated on the previous one's update.
         - `"layer"`: like `"leaf"`, and every parameter whose leading dimension is

@@ -15,8 +15,12 @@ import dataclasses
 import math
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
+
+from .._sharding.memory_space import is_host_typed, to_device, to_host
+from .._trace.state import active_plan, argument_path
 
 # A weight's slices: at most 4 MiB of each of its state leaves at a time, and at most 64
 # trips of the loop (each trip is a few copies; on an H100 a copy costs ~10 us to start).
@@ -79,3 +83,48 @@ def weight_slices(shape: tuple, itemsize: int, sharded: tuple[bool, ...]) -> Sli
         if counts and (best is None or counts[-1] > best.count):
             best = Slices(axis=axis, size=n // counts[-1], count=counts[-1], squeeze=False)
     return best
+
+
+def write(slices: Slices, buffer: Any, value: Any, i: Any) -> Any:
+    """Write `value` (on the device) as slice `i` of `buffer`, sending it to host memory
+    first when `buffer` is host-typed (XLA then updates the host buffer in place)."""
+    value = to_host(value) if is_host_typed(buffer) else to_device(value)
+    return slices.write(buffer, value.astype(buffer.dtype), i)
+
+
+def _plan_sharding(grad: Any, leaf_state: Any, param: Any, memory: str) -> Any:
+    """The sharding the plan gives the parameter `grad` mirrors (without parameters, its
+    optimizer state's), in `memory`; None off a mesh or for a leaf the plan does not shard."""
+    plan = active_plan()
+    if plan is None or plan.mesh is None:
+        return None
+    for leaf in [param, *jax.tree_util.tree_leaves(leaf_state)]:
+        if eqx.is_array(leaf) and np.shape(leaf) == np.shape(grad):
+            sharding = plan.mirrored_sharding(argument_path(leaf), memory)
+            if sharding is not None:
+                return sharding
+    return None
+
+
+def sharded_axes(grad: Any, leaf_state: Any, param: Any) -> tuple[bool, ...]:
+    """Which axes of `grad`'s leaf the mesh shards (under `Explicit` axes its type says)."""
+    sharding = _plan_sharding(grad, leaf_state, param, "device")
+    spec = getattr(sharding or getattr(jax.typeof(grad), "sharding", None), "spec", None)
+    return () if spec is None else tuple(entry is not None for entry in spec)
+
+
+def sharded_like_its_leaf(grad: Any, leaf_state: Any, param: Any) -> Any:
+    """On a mesh, `grad` constrained to the sharding the plan gives the parameter it
+    mirrors (`_plan_sharding`). The per-slice loop then slices the gradient, the parameter
+    and the state alike; left to the partitioner, a gradient sharded as the backward pass
+    made it (FSDP: on another axis) is resharded whole, every stacked layer of it, on each
+    trip of the loop. Under `Explicit` axes there is nothing to do: a gradient's type
+    carries its parameter's sharding already."""
+    plan = active_plan()
+    if plan is None or plan.mesh is None:
+        return grad
+    if any(t == jax.sharding.AxisType.Explicit for t in plan.mesh.axis_types):
+        return grad
+    memory = "pinned_host" if is_host_typed(grad) else "device"
+    sharding = _plan_sharding(grad, leaf_state, param, memory)
+    return grad if sharding is None else jax.lax.with_sharding_constraint(grad, sharding)

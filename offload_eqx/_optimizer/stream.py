@@ -1,11 +1,15 @@
 """`ox.offload_optimizer(stream="leaf" | "layer")`: the state fetched one parameter (or
 one layer of a stacked parameter) at a time.
 
-Fetching the whole state (`stream=None`) leaves the schedule to XLA, which starts every
-host-to-device copy as early as its operands allow (right after the gradients' global
-norm), so the whole state (Adam: twice the parameters) is on the device at once, and the
-new state's device buffers stay live until their copies back at the end of the step.
-Device temp *rises* (h100, the tutorial's DIM 7168: 1.53 -> 2.68 GiB).
+Fetching the whole state at once (`stream=None` with a transformation that couples the
+parameters, such as `clip_by_global_norm` in the chain) leaves the schedule to XLA,
+which starts every host-to-device copy as early as its operands allow (right after the
+gradients' global norm), so the whole state (Adam: twice the parameters) is on the
+device at once, and the new state's device buffers stay live until their copies back at
+the end of the step. Device temp *rises* (h100, the tutorial's DIM 7168: 1.53 -> 2.68
+GiB). A stream takes the global part as `global_transform`, applied once, and streams
+the rest. A weight over `slices.SLICE_BYTES` whose transformation is elementwise is
+updated in slices of itself (`slices.weight_slices`), in the loop below.
 
 `stream="leaf"` runs each parameter's update inside its own `jax.lax.cond`. The branch
 fetches that parameter's state, updates it and sends the new state back to host memory;
@@ -45,11 +49,11 @@ import optax
 
 from .._declare.strategy import HOST_UPDATES
 from .._sharding.memory_space import is_host_typed, to_device, to_host
-from .._trace.state import active_plan, argument_path
+from .._trace.state import active_plan
 from .checks import check_elementwise, check_per_leaf, is_stacked
 from .host import HostUpdate, combine_results
 from .masters import step_values, value_writer
-from .slices import Slices, layer_slices, weight_slices
+from .slices import Slices, layer_slices, sharded_axes, sharded_like_its_leaf, weight_slices, write
 from .state import (
     NAME,
     StreamState,
@@ -78,51 +82,6 @@ def _gate(token: Any) -> jax.Array:
 
 def _device_leaves(leaves: list) -> list:
     return [x for x in leaves if eqx.is_array(x) and not is_host_typed(x)]
-
-
-def _write(slices: Slices, buffer: Any, value: Any, i: Any) -> Any:
-    """Write `value` (on the device) as slice `i` of `buffer`, sending it to host memory
-    first when `buffer` is host-typed (XLA then updates the host buffer in place)."""
-    value = to_host(value) if is_host_typed(buffer) else to_device(value)
-    return slices.write(buffer, value.astype(buffer.dtype), i)
-
-
-def _plan_sharding(grad: Any, leaf_state: Any, param: Any, memory: str) -> Any:
-    """The sharding the plan gives the parameter `grad` mirrors (without parameters, its
-    optimizer state's), in `memory`; None off a mesh or for a leaf the plan does not shard."""
-    plan = active_plan()
-    if plan is None or plan.mesh is None:
-        return None
-    for leaf in [param, *jax.tree_util.tree_leaves(leaf_state)]:
-        if eqx.is_array(leaf) and np.shape(leaf) == np.shape(grad):
-            sharding = plan.mirrored_sharding(argument_path(leaf), memory)
-            if sharding is not None:
-                return sharding
-    return None
-
-
-def _sharded_axes(grad: Any, leaf_state: Any, param: Any) -> tuple[bool, ...]:
-    """Which axes of `grad`'s leaf the mesh shards (under `Explicit` axes its type says)."""
-    sharding = _plan_sharding(grad, leaf_state, param, "device")
-    spec = getattr(sharding or getattr(jax.typeof(grad), "sharding", None), "spec", None)
-    return () if spec is None else tuple(entry is not None for entry in spec)
-
-
-def _sharded_like_its_leaf(grad: Any, leaf_state: Any, param: Any) -> Any:
-    """On a mesh, `grad` constrained to the sharding the plan gives the parameter it
-    mirrors (`_plan_sharding`). The per-slice loop then slices the gradient, the parameter
-    and the state alike; left to the partitioner, a gradient sharded as the backward pass
-    made it (FSDP: on another axis) is resharded whole, every stacked layer of it, on each
-    trip of the loop. Under `Explicit` axes there is nothing to do: a gradient's type
-    carries its parameter's sharding already."""
-    plan = active_plan()
-    if plan is None or plan.mesh is None:
-        return grad
-    if any(t == jax.sharding.AxisType.Explicit for t in plan.mesh.axis_types):
-        return grad
-    memory = "pinned_host" if is_host_typed(grad) else "device"
-    sharding = _plan_sharding(grad, leaf_state, param, memory)
-    return grad if sharding is None else jax.lax.with_sharding_constraint(grad, sharding)
 
 
 def _zeros_like(shape: Any) -> Any:
@@ -181,13 +140,15 @@ class StreamedUpdate:
         update, new_state = call_update(self.tx, *operands)
         return update, restore_memory(mask, new_state)
 
-    def _streamed(self, grad, leaf_state, param, extra_args, apply, slices):
+    def _streamed(self, grad, leaf_state, param, extra_args, apply, slices, to_host_memory):
         """One leaf's update, one slice (`slices`: a layer of a stacked leaf, or a slice
         of one weight) per iteration of a `fori_loop`.
 
         The loop carries the host (or device) arrays that receive the results: the new
         state leaves, and the new parameter (`apply`) or the updates (written over the
-        gradient, whose slice `i` is read before it is overwritten). Scalar state leaves
+        gradient, whose slice `i` is read before it is overwritten, or, with
+        `to_host_memory`, into a fresh host buffer: a host-resident weight's update,
+        which `ox.apply_updates` adds on the host). Scalar state leaves
         (Adam's count) are the same for every slice: each iteration recomputes them from
         the old ones, and the last iteration's are the new state's.
         """
@@ -207,6 +168,8 @@ class StreamedUpdate:
         )
         if apply:
             out = param
+        elif to_host_memory:  # the update of a host-resident parameter: written there
+            out = to_host(jnp.zeros(grad.shape, update_shape.dtype))
         elif update_shape.dtype == grad.dtype:
             out = grad
         else:  # the updates have another dtype than the gradients: a buffer of their own
@@ -239,9 +202,9 @@ class StreamedUpdate:
                 update, new_state = call_update(tx, g, old_state, p, extra_args)
                 result = update.astype(out.dtype)
             new_leaves = jax.tree_util.tree_leaves(new_state)
-            out = _write(slices, out, result, i)
+            out = write(slices, out, result, i)
             old = iter(buffers)
-            buffers = [_write(slices, next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
+            buffers = [write(slices, next(old), x, i) for x, s in zip(new_leaves, sliced) if s]
             scalars = [x for x, s, v in zip(new_leaves, sliced, value) if not (s or v)]
             new_values[:] = [x for x, v in zip(new_leaves, value) if v]
             return out, buffers, scalars
@@ -352,7 +315,7 @@ class StreamedUpdate:
             return layer_slices(np.shape(grad)[0])
         arrays = [x for x in jax.tree_util.tree_leaves(leaf_state) if eqx.is_array(x)]
         itemsize = max(jnp.dtype(x.dtype).itemsize for x in [grad, *arrays])
-        cut = weight_slices(np.shape(grad), itemsize, _sharded_axes(grad, leaf_state, param))
+        cut = weight_slices(np.shape(grad), itemsize, sharded_axes(grad, leaf_state, param))
         return cut if cut is not None and self._elementwise(grad) else None
 
     def _elementwise(self, grad: Any) -> bool:
@@ -369,8 +332,9 @@ class StreamedUpdate:
 
     def _one_leaf(self, grad, leaf_state, param, extra_args, apply, token):
         slices = self._slices(grad, leaf_state, param)
+        host_grad = is_host_typed(grad)  # a host-resident parameter's
         if slices is not None:
-            grad = _sharded_like_its_leaf(grad, leaf_state, param)
+            grad = sharded_like_its_leaf(grad, leaf_state, param)
             if not slices.squeeze:
                 # One weight's gradient, whole on the device where the update runs (the
                 # backward pass made it there: XLA drops the round trip to host memory).
@@ -380,7 +344,10 @@ class StreamedUpdate:
             if slices is None:
                 out, new_state = self._whole(grad, leaf_state, param, extra_args, apply)
             else:
-                out, new_state = self._streamed(grad, leaf_state, param, extra_args, apply, slices)
+                to_host_memory = host_grad and not slices.squeeze
+                out, new_state = self._streamed(
+                    grad, leaf_state, param, extra_args, apply, slices, to_host_memory
+                )
             # A device value computed after the leaf's update, for the next gate (the
             # results may all be host-typed); opaque, so not folded to a constant.
             computed = eqx.filter((out, new_state), eqx.is_array)  # not its Python values
