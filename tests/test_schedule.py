@@ -286,7 +286,7 @@ def _stack_step(strategy):
         grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
         return ox.update_and_apply(opt, grads, state, model)
 
-    return ox.filter_jit(step, strategy=strategy), (model, state, x)
+    return ox.filter_jit(step, strategy=strategy, donate="all"), (model, state, x)
 
 
 def _overlaps(a, b) -> bool:
@@ -311,13 +311,20 @@ def test_h100_layer_fetches_inside_the_scan_overlap_compute():
     estimate = ox.estimate(step, *args, target="h100")
     sim = _simulation(estimate)
     assert estimate.model == "compiled" and estimate.traced_seconds is not None
-    fetches = [e for e in sim.events if e.resource == "h2d" and "while/body" in e.op_name]
+    looped = [e for e in sim.events if e.resource == "h2d" and "while/body" in e.op_name]
+    fetches = [e for e in looped if e.phase != "update"]
     kernels = [e for e in sim.events if e.resource == "compute"]
-    # Inside the scan, one layer of 1 MiB per fetch (not the 4 MiB stack), each trip;
-    # the update (adam's state in host memory, not streamed) copies whole stacks.
+    # Inside the scan, one layer of 1 MiB per fetch (not the 4 MiB stack), each trip.
     assert len(fetches) % 4 == 0 and all(e.bytes <= 512 * 512 * 4 for e in fetches)
+    # The update (adam's state in host memory, `stream=None`) reads each stack in two
+    # slices of its elements: the weights and both moments, half a stack a trip, and no
+    # stack of the state or the weights whole.
+    sliced = [e for e in looped if e.phase == "update"]
+    assert len(sliced) == 6 and all(e.bytes == 2 * 512 * 512 * 4 for e in sliced)
     whole = [e for e in sim.events if e.resource == "h2d" and e.bytes == 4 * 512 * 512 * 4]
-    assert len(whole) == 4  # the weights, both moments and the step's own weights copy
+    # One: the gradient stack, which the backward scan wrote to host memory layer by
+    # layer (the weights are host-resident), fetched whole for the update.
+    assert len(whole) == 1 and whole[0].phase == "update"
     # XLA placed each fetch's done right after its start, before the layer's matmul:
     # nothing hides a fetch, and the stream waits for every one of them.
     assert not any(_overlaps(f, k) for f in fetches for k in kernels)

@@ -49,13 +49,14 @@ class Slices:
 
     def read(self, x: Any, i: Any) -> Any:
         """Slice `i` of `x`, where `x` is (in host memory, sliced there)."""
-        part = jax.lax.dynamic_slice_in_dim(x, i * self.size, self.size, self.axis)
-        return jax.lax.squeeze(part, (self.axis,)) if self.squeeze else part
+        if self.squeeze:
+            return jax.lax.dynamic_index_in_dim(x, i, self.axis, keepdims=False)
+        return jax.lax.dynamic_slice_in_dim(x, i * self.size, self.size, self.axis)
 
     def write(self, buffer: Any, value: Any, i: Any) -> Any:
         """`buffer` with slice `i` replaced by `value` (of `buffer`'s memory space)."""
         if self.squeeze:
-            value = jax.lax.expand_dims(value, (self.axis,))
+            return jax.lax.dynamic_update_index_in_dim(buffer, value, i, self.axis)
         return jax.lax.dynamic_update_slice_in_dim(buffer, value, i * self.size, self.axis)
 
 
