@@ -14,8 +14,10 @@ import optax
 import pytest
 
 import offload_eqx as ox
+from offload_eqx._inspect.memory_report import compiled_report, program_of_step
 from offload_eqx._optimizer import slices, whole_slices
 from offload_eqx._optimizer.slices import Slices, weight_slices
+from offload_eqx._targets.targets import get_target
 
 
 @pytest.fixture
@@ -198,3 +200,71 @@ def test_offloaded_device_update_needs_less_than_keeping_it_on_the_device():
         assert report.host["argument"] >= 48 * mib  # the weight and both moments
         assert report.total < plain.total, (stream, fused, report.total / mib)
         assert report.total <= bound * mib, (stream, fused, report.total / mib)
+
+
+def _compiled_text(step, *args) -> str:
+    """The scheduled h100 program of an `ox.filter_jit` step (deviceless)."""
+    _, compiled = compiled_report(program_of_step(step, args, {}), get_target("h100"), "step")
+    return compiled.as_text()
+
+
+@pytest.mark.deviceless
+def test_the_whole_state_update_fetches_each_weight_once_per_pass_and_no_gradient():
+    """`stream=None` on one host-resident 2048 x 2048 weight: the compiled program copies
+    the whole weight to the device twice (the forward pass and the backward pass's
+    recomputation) and nothing else whole: the gradient stays on the device where the
+    update reads it (XLA drops the round trip JAX's types write), the state and the
+    weight are read and written in slices."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
+    w = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
+    opt = ox.offload_optimizer(optax.adam(1e-3))
+    layer, step = _memory_step(opt, fused=True)
+    model: Any = layer(w)  # type: ignore[arg-type]
+    state = eqx.filter_eval_shape(opt.init, model)
+    text = _compiled_text(ox.filter_jit(step, donate="all"), model, state, x)
+    whole = [line for line in text.splitlines() if "copy-start(" in line]
+    assert len(whole) == 2 and all("f32[2048,2048]" in line for line in whole)
+    assert "dynamic-slice-start" in text and "dynamic-update-slice-start" in text
+
+
+@pytest.mark.deviceless
+def test_a_layer_streamed_stack_needs_less_than_keeping_it_on_the_device():
+    """Four stacked 1024 x 1024 weights in host memory under `ox.scan`, `stream="layer"`:
+    less device memory than the same scan with everything on the device (77.5 MiB), and
+    no stack copied whole."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
+    mib = 2**20
+    w = jax.ShapeDtypeStruct((4, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+
+    class Plain(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, self.w)[0]
+
+    class Stack(eqx.Module):
+        layers: Any
+
+        def __call__(self, x):
+            return ox.scan(self.layers, x)
+
+    def plain_step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        updates, state = optax.adam(1e-3).update(grads, state, model)
+        return eqx.apply_updates(model, updates), state
+
+    plain_model: Any = Plain(w)  # type: ignore[arg-type]
+    plain_state = eqx.filter_eval_shape(optax.adam(1e-3).init, plain_model)
+    plain = ox.memory_report(
+        ox.filter_jit(plain_step, donate="all"), plain_model, plain_state, x, target="h100"
+    )
+    opt = ox.offload_optimizer(optax.adam(1e-3), stream="layer", layers=4)
+    layer, step = _memory_step(opt, fused=True)
+    model: Any = Stack(layer(w))  # type: ignore[arg-type]
+    state = eqx.filter_eval_shape(opt.init, model)
+    jitted = ox.filter_jit(step, donate="all")
+    report = ox.memory_report(jitted, model, state, x, target="h100")
+    assert report.total < plain.total and report.total <= 32 * mib, report.total / mib
+    assert "copy-start(" not in _compiled_text(jitted, model, state, x)
