@@ -268,3 +268,27 @@ def test_a_layer_streamed_stack_needs_less_than_keeping_it_on_the_device():
     report = ox.memory_report(jitted, model, state, x, target="h100")
     assert report.total < plain.total and report.total <= 32 * mib, report.total / mib
     assert "copy-start(" not in _compiled_text(jitted, model, state, x)
+
+
+@pytest.mark.parametrize("master_dtype", [None, jnp.float32], ids=["plain", "masters"])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_delayed_and_master_updates_in_slices_equal_them_whole(monkeypatch, delay, master_dtype):
+    """The delayed update (its `cond` on the pending flag), on the device: sliced or
+    whole, the same training. With masters, `ox.update_and_apply` writes each parameter
+    from its master whole (not sliced yet): the same training either way."""
+    model, x = _mlp(), jax.random.normal(jax.random.key(2), (4, 16))
+
+    def train(slice_bytes: int) -> Any:
+        monkeypatch.setattr(whole_slices, "SLICE_BYTES", slice_bytes)
+        opt = ox.offload_optimizer(optax.adam(0.05), delay=delay, master_dtype=master_dtype)
+        step = ox.filter_jit(_step(opt, fused=True), strategy="offload_optimizer")
+        trained = jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)
+        state = opt.init(trained)
+        for _ in range(3):
+            trained, state = step(trained, state, x)
+        return trained, _loops(_step(opt, fused=True), model, opt.init(model), x)
+
+    (whole, whole_loops), (sliced, sliced_loops) = train(2**30), train(512)
+    assert whole_loops == 0 and (sliced_loops >= 2) == (master_dtype is None)
+    for a, b in zip(*(jax.tree.leaves(eqx.filter(t, eqx.is_array)) for t in (sliced, whole))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
