@@ -38,7 +38,7 @@ from .state import (
     trainable,
 )
 from .stream import StreamedUpdate, stream_init
-from .whole_slices import apply_in_slices, update_in_slices
+from .whole_slices import apply_in_slices, in_slices_applies, update_in_slices
 
 STREAMS = (None, "leaf", "layer")
 
@@ -331,7 +331,7 @@ def update_and_apply(
             grads, opt_state, params, **extra_args
         )
         return combine_results(params, others, new_host, opt.update.writes_values), opt_state
-    if isinstance(opt.update, HostUpdate) and not opt.update.writes_values:
+    if isinstance(opt.update, HostUpdate) and in_slices_applies(opt.update.inner):
         _check_updates(params, grads)
         applied = apply_in_slices(opt.update.inner, grads, opt_state, params, extra_args)
         if applied is not None:

@@ -29,7 +29,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.core import eval_jaxpr
 
 from .._host.calls import device_aval
@@ -37,6 +36,8 @@ from .._host.chunks import chunk_count, elements, slices_program
 from .._host.split import group_program, result_groups
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
+from .delayed import delayed_tx
+from .masters import step_values, value_writer
 from .state import (
     NAME,
     call_update,
@@ -68,7 +69,7 @@ def update_in_slices(
     state's sliced leaves written where the old ones live, a sliced update where its
     parameter lives (over the gradient on the device, or into host memory for a
     host-resident parameter, whose gradient is host-typed). With `apply`,
-    `(new parameters, new state)`: `optax.apply_updates` in the same slices, each new
+    `(new parameters, new state)`: `masters.step_values` in the same slices, each new
     slice written over the parameter where it lives. None where no group is sliced (the
     caller computes the update whole, as it did)."""
     plan = active_plan()
@@ -87,9 +88,10 @@ def update_in_slices(
             for d, a, b in zip(defs, bounds[:-1], bounds[1:])
         )
         e = eqx.combine(e, extra_values)
-        updates, new = call_update(inner, g, eqx.combine(s, values), p, e)
-        if apply:
-            updates = optax.apply_updates(p, updates)
+        if apply:  # the new values: from the masters where `inner` keeps them
+            updates, new = step_values(inner, g, eqx.combine(s, values), p, e)
+        else:
+            updates, new = call_update(inner, g, eqx.combine(s, values), p, e)
         new_arrays, new_values = eqx.partition(new, eqx.is_array)
         leaves = [jax.tree_util.tree_flatten(t) for t in (updates, new_arrays)]
         out_defs[:] = [leaves[0][1], leaves[1][1], new_values]
@@ -118,12 +120,20 @@ def update_in_slices(
     return updates, eqx.combine(new_arrays, new_values)
 
 
+def in_slices_applies(inner: Any) -> bool:
+    """Whether `apply_in_slices` computes `ox.update_and_apply` of `inner`: any
+    transformation but a delayed one with masters (whose new values come from the masters
+    the pending gradients update, `HostUpdate.device_update_and_apply`)."""
+    return delayed_tx(inner) is None or value_writer(delayed_tx(inner)) is None
+
+
 def apply_in_slices(
     inner: Any, grads: Any, opt_state: Any, params: Any, extra: dict
 ) -> tuple[Any, Any] | None:
     """`ox.update_and_apply` of `stream=None` on the device: the update and
-    `optax.apply_updates` in the same slices of each large elementwise group, every new
-    slice written over its parameter where it lives. `(new_params, new_opt_state)`, or
+    `optax.apply_updates` (or, with masters, each parameter written from its new master)
+    in the same slices of each large elementwise group, every new slice written over its
+    parameter where it lives. `(new_params, new_opt_state)`, or
     None where no group is sliced."""
     check_ours(opt_state, streamed=False, name=NAME)
     grads = trainable(grads)
