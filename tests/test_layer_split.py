@@ -2,6 +2,9 @@
 layers of a scan and another in the rest, and parameters or optimizer state placed leaf
 by leaf, give the gradients and updates of the unsplit program bit for bit on the CPU."""
 
+import pathlib
+import sys
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -10,6 +13,13 @@ import pytest
 from helpers import loss_fn, make_optimizer, make_step, rotated, scanned_model
 
 import offload_eqx as ox
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+try:
+    import layer_split  # pyright: ignore[reportMissingImports]
+finally:
+    sys.path.remove(str(BENCHMARKS))
 
 X = jax.random.normal(jax.random.key(1), (8, 16))
 
@@ -179,3 +189,22 @@ def test_a_split_beyond_the_layers_is_the_first_policy_everywhere():
     ours = _run(_with("remat", names={"x": ("save", 8, "offload")}))
     for a, b in zip(ours, _run(_with("remat", names={"x": "save"})), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.deviceless
+def test_fit_between_uniform_plans_is_as_fast_as_any_plan_that_fits_and_splits_cost_memory():
+    """The README's layer (4 layers, width 256), deviceless h100, a device budget halfway
+    between saving `h` everywhere and recomputing it everywhere: `ox.fit`'s plan is as
+    fast (compiled schedule) as every uniform plan and every split that fits, and, as the
+    planning guide says, every split needs more device memory than saving everywhere
+    (a split scan's segments concatenate their stacked gradients)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
+    rows = layer_split.rows_of("README layer", layer_split.readme_problem(256, 1024, 4, 256))
+    *plans, fitted = rows
+    save = plans[0]["device MiB"]
+    budget = fitted["budget MiB"]
+    fitting = [row for row in plans if row["device MiB"] <= budget]
+    assert fitting and fitted["device MiB"] <= budget
+    assert fitted["sim ms"] <= min(row["sim ms"] for row in fitting) * 1.005
+    splits = [row for row in plans if row["plan"].startswith("save in the first")]
+    assert len(splits) == 3 and all(row["device MiB"] > save for row in splits)

@@ -140,15 +140,15 @@ class StreamedUpdate:
         update, new_state = call_update(self.tx, *operands)
         return update, restore_memory(mask, new_state)
 
-    def _streamed(self, grad, leaf_state, param, extra_args, apply, slices, to_host_memory):
+    def _streamed(self, grad, leaf_state, param, extra_args, apply, slices):
         """One leaf's update, one slice (`slices`: a layer of a stacked leaf, or a slice
         of one weight) per iteration of a `fori_loop`.
 
         The loop carries the host (or device) arrays that receive the results: the new
         state leaves, and the new parameter (`apply`) or the updates (written over the
-        gradient, whose slice `i` is read before it is overwritten, or, with
-        `to_host_memory`, into a fresh host buffer: a host-resident weight's update,
-        which `ox.apply_updates` adds on the host). Scalar state leaves
+        gradient where it is, whose slice `i` is read before it is overwritten: a
+        host-resident weight's update stays in host memory, where `ox.apply_updates`
+        adds it). Scalar state leaves
         (Adam's count) are the same for every slice: each iteration recomputes them from
         the old ones, and the last iteration's are the new state's.
         """
@@ -168,8 +168,6 @@ class StreamedUpdate:
         )
         if apply:
             out = param
-        elif to_host_memory:  # the update of a host-resident parameter: written there
-            out = to_host(jnp.zeros(grad.shape, update_shape.dtype))
         elif update_shape.dtype == grad.dtype:
             out = grad
         else:  # the updates have another dtype than the gradients: a buffer of their own
@@ -332,22 +330,16 @@ class StreamedUpdate:
 
     def _one_leaf(self, grad, leaf_state, param, extra_args, apply, token):
         slices = self._slices(grad, leaf_state, param)
-        host_grad = is_host_typed(grad)  # a host-resident parameter's
         if slices is not None:
+            # Sliced where it is: a host-resident parameter's gradient in host memory (a
+            # stream holds no whole gradient on the device; `stream=None` does).
             grad = sharded_like_its_leaf(grad, leaf_state, param)
-            if not slices.squeeze:
-                # One weight's gradient, whole on the device where the update runs (the
-                # backward pass made it there: XLA drops the round trip to host memory).
-                grad = to_device(grad)
 
         def run(grad, leaf_state, param):
             if slices is None:
                 out, new_state = self._whole(grad, leaf_state, param, extra_args, apply)
             else:
-                to_host_memory = host_grad and not slices.squeeze
-                out, new_state = self._streamed(
-                    grad, leaf_state, param, extra_args, apply, slices, to_host_memory
-                )
+                out, new_state = self._streamed(grad, leaf_state, param, extra_args, apply, slices)
             # A device value computed after the leaf's update, for the next gate (the
             # results may all be host-typed); opaque, so not folded to a constant.
             computed = eqx.filter((out, new_state), eqx.is_array)  # not its Python values

@@ -142,8 +142,13 @@ def apply_in_slices(
     if applied is None:
         return None
     new_values, new_inner = applied
+    # Values computed whole (a group not sliced) are on the device: each goes back to
+    # its parameter's memory, as the sliced ones were written there.
+    placed = jax.tree_util.tree_map(
+        lambda v, p: to_host(v) if is_host_typed(p) else v, new_values, trainable(params)
+    )
     mask = host_mask(opt_state.inner)
-    return eqx.combine(new_values, params), type(opt_state)(restore_memory(mask, new_inner))
+    return eqx.combine(placed, params), type(opt_state)(restore_memory(mask, new_inner))
 
 
 def _grouped(
