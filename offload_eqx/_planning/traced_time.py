@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._inspect.audit import audit_traced_for
+from .._inspect.program_audit import audit_traced_for
 from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit
 from .._targets.calibrate import cpu_speeds
