@@ -193,7 +193,10 @@ def test_a_nan_gradient_gives_a_nan_parameter_as_optax_does():
 
 def test_the_cpu_estimate_prices_the_kernel_by_its_bytes_at_the_hosts_update_bandwidth():
     """28 bytes a parameter (its operands and results) at the host's bandwidth for an
-    update in place, in the compiled schedule and in the jaxpr count alike."""
+    update in place, in the compiled schedule and in the jaxpr count alike (the count
+    adds the gradient's and the new value's copies between memory spaces, which on a
+    CPU the compiled program does not make: at the link speeds measured, the median of
+    ten runs, a third of the kernel's time here)."""
     from offload_eqx._targets.calibrate import cpu_speeds
 
     opt = ox.offload_optimizer(optax.adamw(LR), update_on="host", master_dtype=jnp.float32)
@@ -208,7 +211,8 @@ def test_the_cpu_estimate_prices_the_kernel_by_its_bytes_at_the_hosts_update_ban
     kernel = 28 * 512 * 1024 / speeds.host_bandwidth
     assert kernel <= estimate.seconds <= kernel + 20 * speeds.kernel_launch + 1e-4
     assert estimate.traced_seconds is not None
-    assert estimate.traced_seconds == pytest.approx(kernel, rel=0.2)
+    copies = estimate.h2d_bytes / speeds.h2d_bandwidth + estimate.d2h_bytes / speeds.d2h_bandwidth
+    assert estimate.traced_seconds == pytest.approx(kernel + copies, rel=0.2)
 
 
 def test_a_mask_of_other_truth_values_runs_as_xla_compiles_it():
