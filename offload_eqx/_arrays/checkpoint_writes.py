@@ -44,7 +44,7 @@ _ELSEWHERE = (
     "(its error says why); nothing of this save is left."
 )
 _INSIDE = "checkpoint"  # the checkpoint's name inside a save's temporary directory
-_REMOVE_ATTEMPTS = 12  # about 4.5 s of waiting in all
+_REMOVE_ATTEMPTS = 40  # about 22 s of waiting in all (a busy machine: 4.5 s did not do)
 _NAME_BYTES = 1024  # room for a directory's name broadcast to the other processes
 
 
