@@ -199,6 +199,16 @@ def test_the_readme_says_why_before_what_and_how_to_install():
     assert 'pip install -e ".[cuda]"' in screen and 'target="h100"' in screen
 
 
+def test_the_readme_is_short_and_its_first_example_fits_the_first_screen():
+    """A reader sees the first example whole before scrolling far: it ends by line 60,
+    and the README stays within 250 lines (the guides hold the rest)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    opening = lines.index("```python")
+    end = lines.index("```", opening + 1) + 1  # 1-based line of the closing fence
+    assert end <= 60, f"the first example ends on line {end}"
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
+
+
 def test_every_readme_python_block_shows_what_it_prints():
     assert [expected is not None for _, expected in blocks(README)] == [True] * len(blocks(README))
 
