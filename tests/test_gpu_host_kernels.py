@@ -6,14 +6,11 @@ could abort runs in a process of its own."""
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-from offload_eqx._host.kernels import gpu_host
 
 _H100_UPDATE = textwrap.dedent(
     """
@@ -145,26 +142,17 @@ def test_a_child_that_fails_is_not_cached_and_a_success_registers(tmp_path):
     assert not (tmp_path / "offload_eqx" / "gpu_host_kernels.json").exists()
 
 
-def test_a_verdict_file_others_may_write_is_ignored(tmp_path, monkeypatch):
-    """A verdict says whether a compile may call the kernel: one that anyone else could
-    have written (a group- or world-writable file or folder, a link) is not read."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = gpu_host.verdict_file()
-    gpu_host._write_verdict("key", {"ok": True, "why": ""})
-    assert gpu_host._read_verdicts() == {"key": {"ok": True, "why": ""}}
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    path.chmod(0o622)
-    assert gpu_host._read_verdicts() == {}
-    path.chmod(0o600)
-    path.parent.chmod(0o777)
-    assert gpu_host._read_verdicts() == {}
-    path.parent.chmod(0o700)
-    link = tmp_path / "elsewhere.json"
-    link.write_text(json.dumps({"key": {"ok": True, "why": ""}}))
-    path.unlink()
-    path.symlink_to(link)
-    assert gpu_host._read_verdicts() == {}
+def test_a_verdict_that_cannot_be_kept_is_reported(tmp_path):
+    """A folder at the verdict file's path is left as it is and said, beside the
+    verdict (each process then proves the kernel again)."""
+    folder = tmp_path / "offload_eqx" / "gpu_host_kernels.json"
+    folder.mkdir(parents=True)
+    folder.parent.chmod(0o700)
+    found = _run(_verdict_with_child("import os; os.abort()"), XDG_CACHE_HOME=str(tmp_path))
+    why = found["kernels"]["adamw on the GPU's host"]
+    assert why.startswith("unavailable: a compile calling it killed the proof's process"), why
+    assert f"its verdict is not kept for other processes: {folder} is a folder" in why, why
+    assert folder.is_dir() and os.listdir(folder.parent) == [folder.name]
 
 
 @pytest.mark.deviceless

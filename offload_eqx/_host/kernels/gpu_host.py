@@ -12,9 +12,12 @@ A kernel missing from that registry does not raise: the compile aborts the proce
 jaxlib, plugin and kernel library, a child process (`gpu_host_proof`) registers the kernel
 this way and compiles, for an H100 without one, a host computation that calls it; only
 when the child reports the compiled program calling the kernel is the kernel registered
-in this process. The verdict is kept for the process and in a file of this user's cache
-(`verdict_file()`), keyed by those versions and the library's SHA-256, written and read
-only where no one else can write it. Where the proof fails, the GPU's host runs the
+in this process. The child starts isolated (`python -I`: no PYTHONPATH, user site or
+working directory), imports from where this process did, this package's own folder first
+(`import_roots`), and gets only the environment its compile reads: the proof is of this
+process's package, never of one of the same name planted elsewhere. The verdict is kept
+for the process and in a file of this user's cache (`gpu_host_verdicts`), keyed by those
+versions and the library's SHA-256. Where the proof fails, the GPU's host runs the
 update as XLA compiles it (the same results), and `ox.host_kernels()` says why.
 """
 
@@ -23,16 +26,16 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
 
 from ..._base.jax_private import cuda_plugin_api
-from . import load
+from . import gpu_host_verdicts, load
 
 PLATFORM = b"Host"  # the plugin's name for its host compiler's platform
 _FFI_EXTENSION = 5  # PJRT_Extension_Type_FFI
@@ -45,6 +48,7 @@ _PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cu
 _lock = threading.Lock()
 _verdicts: dict[str, str | None] = {}  # kernel -> None when usable, else why not
 _registered: set[str] = set()
+_unkept: dict[str, str | None] = {}  # kernel -> why its verdict was not kept, if it was not
 
 
 class _ExtensionBase(ctypes.Structure):
@@ -139,64 +143,67 @@ def _versions(name: str) -> dict[str, str]:
     return found
 
 
-def verdict_file() -> Path:
-    """Where proven verdicts are kept: `$XDG_CACHE_HOME/offload_eqx` (else
-    `~/.cache/offload_eqx`), `gpu_host_kernels.json`."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "offload_eqx" / "gpu_host_kernels.json"
+# What the proof's child is given of this process's environment: what the compile it
+# makes reads (XLA's flags and logs; where CUDA, its libraries and ptxas are; the home and
+# temporary folders). Nothing else: no PYTHON* variable, and it starts isolated (`-I`).
+_PROOF_ENVIRONMENT = (
+    "PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT",
+    "XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL", "TF_CPP_VMODULE",
+)  # fmt: skip
+# The child's first code: the places this process imported from go first on its path
+# (`-I` left out PYTHONPATH, the user's site and the working directory), then it runs the
+# proof's module as `__main__` with the kernel and the GPU description as arguments.
+_BOOTSTRAP = (
+    "import json, runpy, sys; sys.path[:0] = json.loads(sys.argv.pop(1)); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
 
 
-def _private(info: os.stat_result) -> bool:
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+def _entries_of(module: object) -> list[str]:
+    """The path entries a top-level module was imported from (a namespace package may
+    have several)."""
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str):
+        found = Path(file).resolve()
+        return [str(found.parents[1] if found.name.startswith("__init__.") else found.parent)]
+    parts = getattr(module, "__path__", None)
+    parts = list(parts) if isinstance(parts, Iterable) else []
+    return [str(Path(part).resolve().parent) for part in parts if isinstance(part, str)]
 
 
-def _read_verdicts() -> dict:
-    """The cached verdicts, {} where the file is missing, not this user's alone, or
-    not a record."""
-    path = verdict_file()
-    try:
-        if not _private(os.stat(path.parent)):
-            return {}
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(descriptor, "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode) or not _private(info) or info.st_size > 1 << 20:
-                return {}
-            found = json.loads(file.read())
-        return found if isinstance(found, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_verdict(key: str, verdict: dict) -> None:
-    """Add `verdict` under `key`, atomically; where the cache cannot be written, the
-    proof is made again by the next process."""
-    path = verdict_file()
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _private(os.stat(path.parent)):
-            return
-        found = _read_verdicts()
-        found[key] = verdict
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(found, file, indent=1)
-        os.replace(temporary, path)
-    except OSError:
-        pass
+def import_roots() -> list[str]:
+    """Where the proof's child imports from: this package's own folder first, then every
+    entry of this process's path that a module it has imported came from (jax, jaxlib,
+    the CUDA plugin, NumPy, ...), in this process's order: the child imports what this
+    process did, never a package of the same name planted elsewhere."""
+    held = set()
+    for name, module in list(sys.modules.items()):
+        if "." not in name:
+            held.update(_entries_of(module))
+    roots = [str(_PACKAGE.parent)]
+    for entry in sys.path:
+        resolved = str(Path(entry or os.getcwd()).resolve())
+        if resolved in held and resolved not in roots:
+            roots.append(resolved)
+    return roots
 
 
 def _proof_command(name: str) -> list[str]:
-    """The proof's child: this Python, the package's own module (`-P`: not the working
-    directory's)."""
-    return [sys.executable, "-P", "-m", f"{__package__}.gpu_host_proof", name, str(PROOF_CONFIG)]
+    """The proof's child: this Python, isolated (`-I`), importing only from this
+    process's places (`import_roots`), running the package's own proof module."""
+    module = f"{__package__}.gpu_host_proof"
+    roots = json.dumps(import_roots())
+    return [sys.executable, "-I", "-c", _BOOTSTRAP, roots, module, name, str(PROOF_CONFIG)]
+
+
+def _proof_environment() -> dict[str, str]:
+    kept = {name: os.environ[name] for name in _PROOF_ENVIRONMENT if name in os.environ}
+    return {**kept, "JAX_PLATFORMS": "cpu"}
 
 
 def _prove(name: str) -> dict:
     """Run the proof's child: `{"ok": bool, "why": str, "cache": bool}`."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = _proof_command(name)
+    command, env = _proof_command(name), _proof_environment()
     try:
         done = subprocess.run(
             command, env=env, capture_output=True, text=True, timeout=_PROOF_SECONDS
@@ -222,11 +229,11 @@ def _verdict(name: str) -> str | None:
     if not any(plugin in versions for plugin in _PLUGINS):
         return "no CUDA plugin is installed"
     key = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()
-    verdict = _read_verdicts().get(key)
+    verdict = gpu_host_verdicts.read().get(key)
     if not isinstance(verdict, dict) or not isinstance(verdict.get("ok"), bool):
         verdict = _prove(name)
         if verdict.pop("cache"):
-            _write_verdict(key, {**verdict, "versions": versions})
+            _unkept[name] = gpu_host_verdicts.write(key, {**verdict, "versions": versions})
     return None if verdict["ok"] else str(verdict.get("why"))
 
 
@@ -264,12 +271,15 @@ def host_kernels() -> dict[str, str]:
     On a GPU's host (the host computation of an XLA:GPU program), the same kernel runs
     once the CUDA plugin's host compiler is proven to find it: a child process compiles
     a host computation calling it, once per jaxlib, plugin and kernel (the verdict is
-    cached), at the first XLA:GPU program that would call it.
+    cached in `$XDG_CACHE_HOME/offload_eqx/`, else `~/.cache/offload_eqx/`), at the first
+    XLA:GPU program that would call it.
 
     Returns:
         `{kernel: how}`: "loaded from <library> (<the processor's variant>)", or
         "unavailable: <why>"; and `{"<kernel> on the GPU's host": how}`: "registered with
-        the CUDA plugin", "not yet asked for", or "unavailable: <why>".
+        the CUDA plugin", "not yet asked for", or "unavailable: <why>", followed by why
+        the proof's verdict could not be kept in your cache where it could not (each
+        process then proves the kernel again).
 
     Example:
         >>> ox.host_kernels()  # doctest: +SKIP
@@ -284,5 +294,7 @@ def host_kernels() -> dict[str, str]:
             how = f"unavailable: {_verdicts[name]}"
         else:
             how = "not yet asked for (proven at the first XLA:GPU program that calls it)"
+        if _unkept.get(name):
+            how += f"; its verdict is not kept for other processes: {_unkept[name]}"
         found[f"{name} on the GPU's host"] = how
     return found
