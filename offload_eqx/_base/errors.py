@@ -74,6 +74,14 @@ class DonatedInputError(ValueError, RuntimeError):
     does (code that catches either's catches this one)."""
 
 
+class ComplexSavedError(ContractError, TypeError):
+    """A region (`ox.scan`, `ox.checkpoint`, a module whose parameters live on the host)
+    saves a complex value for the backward pass, which JAX's checkpoint cannot do: it
+    rounds each saved value with `reduce_precision`, which refuses complex dtypes. A
+    `ContractError` (`ox.fit` skips such a plan and says why) and a `TypeError`, as JAX
+    raises it (code that catches JAX's catches this one)."""
+
+
 class UnhashableStaticError(TypeError, ValueError):
     """A non-array argument that cannot be part of the compile cache key. A `TypeError`,
     as Python calls an unhashable value, and a `ValueError`, as `jax.jit` and

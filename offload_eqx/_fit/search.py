@@ -169,8 +169,10 @@ class Search:
         leaf's shard."""
         plan = self.plan(choice)
         memories = (None, "device") if memory == "device" else (memory,)
+        # `dtype.itemsize`, not NumPy's: a typed PRNG key (`jax.random.key`) is no NumPy
+        # dtype, and its itemsize is its key data's bytes (8 for 'threefry'), as compiled.
         return sum(
-            int(np.prod(_shard_shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            int(np.prod(_shard_shape(leaf), dtype=np.int64)) * leaf.dtype.itemsize
             for leaf in plan.leaves
             if leaf.memory in memories
         )
@@ -303,7 +305,7 @@ class Search:
         costs = self.trace(choice)
         if isinstance(costs, Exception):
             return self._row(
-                choice, Candidate(label, None, 0.0, 0, 0, None, None, str(costs)[:120])
+                choice, Candidate(label, None, 0.0, 0.0, 0.0, None, None, str(costs)[:120])
             )
         exact = estimate_from(
             self.wrapper(choice), self.args, self.kwargs, self.target, costs, compile=False

@@ -40,7 +40,7 @@ from .._sharding.memory_space import (
 )
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
-from .host_use import is_host_use, locate_host_use
+from .host_use import complex_saved_error, is_host_use, locate_host_use, saves_complex
 from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
@@ -262,6 +262,8 @@ def _trace(
     try:
         return jax.jit(user).trace(*abstract).jaxpr
     except (ValueError, TypeError) as error:
+        if saves_complex(error):
+            raise complex_saved_error(error, plan, caller) from None
         if not is_host_use(error):
             raise
         raise locate_host_use(remake(plan, False), abstract, plan, error, caller) from None

@@ -22,7 +22,12 @@ import equinox as eqx
 import jax
 import optax
 
-from .._base.errors import HostUseError, is_host_use_error, mixed_memory_spaces_summary
+from .._base.errors import (
+    ComplexSavedError,
+    HostUseError,
+    is_host_use_error,
+    mixed_memory_spaces_summary,
+)
 from .._plan.plan import Plan
 
 _HOST_USE = (
@@ -111,6 +116,44 @@ def _summary(error: BaseException) -> str:
 _LIBRARIES = tuple(
     os.path.dirname(module.__file__ or "") + os.sep for module in (jax, eqx, optax)
 ) + (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # the package's root
+
+
+# JAX's words when a checkpoint's saved value is complex (`_insert_reduce_precision`
+# rounds every saved value to its dtype's precision, and `reduce_precision` takes only
+# real floating dtypes).
+_COMPLEX_SAVED_WORDS = "reduce_precision does not accept dtype complex"
+_COMPLEX_SAVED = (
+    "{caller}: JAX cannot save a complex value for the backward pass in a region{where}, "
+    "which strategy {strategy!r} asks for: its checkpoint rounds every value it saves with "
+    "`reduce_precision`, which refuses complex dtypes (`{error}`; a plain `jax.checkpoint` "
+    "that saves a complex value fails the same way). A module whose parameters live in "
+    "host memory runs in such a region, which saves what the strategy saves (under "
+    "activations='save', every value but the fetched parameters). Fixes: recompute the "
+    "complex values (a strategy with activations='remat', e.g. `ox.Strategy('custom', "
+    "params='pinned_host', optimizer='device', activations='remat')`, or the complex "
+    "value named with `ox.name` and declared 'remat'), or keep the parameters on the "
+    "device (params='device', or `ox.field(memory='device')` on the fields this module "
+    "uses), so that it runs outside any region."
+)
+
+
+def saves_complex(error: BaseException) -> bool:
+    """Whether `error` is JAX refusing to save a complex value in a checkpoint."""
+    return isinstance(error, TypeError) and _COMPLEX_SAVED_WORDS in str(error)
+
+
+def complex_saved_error(error: BaseException, plan: Plan, caller: str) -> ComplexSavedError:
+    """`error` (see `saves_complex`) said with the strategy, the user's line and the fixes."""
+    site = use_site(error)
+    strategy = getattr(plan.strategy, "name", plan.strategy)
+    return ComplexSavedError(
+        _COMPLEX_SAVED.format(
+            caller=caller,
+            strategy=strategy,
+            where=f" called at {site}" if site else "",
+            error=str(error).split("\n")[0],
+        )
+    )
 
 
 def _as_device(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

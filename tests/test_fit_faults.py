@@ -1,0 +1,86 @@
+"""`ox.fit` on steps and candidates that broke it: a typed PRNG key among the arguments,
+a complex value a candidate's regions would save, and a candidate whose compile aborts
+the compiler (issue 66, items 8 and 9)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import offload_eqx as ox
+
+
+class _Noisy(eqx.Module):
+    """One weight, and a name in a region that draws noise from a typed key."""
+
+    w: jax.Array = ox.field(memory="device")
+    activations: ox.Activations = ox.activations(h="save")
+
+    def __call__(self, x, key):
+        def body(x):
+            noise = jax.random.normal(key, x.shape)
+            return ox.name(jnp.tanh((x + noise) @ self.w), "h")
+
+        return ox.checkpoint(body, x)
+
+
+def test_a_typed_key_among_the_arguments_is_counted_as_its_key_data():
+    """`ox.fit` sized each argument with NumPy's dtype, which a typed key (`key<fry>`)
+    is not: "TypeError: Cannot interpret 'key<fry>' as a data type", where
+    `ox.memory_report` and `ox.estimate` took the same arguments."""
+
+    @ox.filter_jit
+    def step(model, x, key):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x, key)))(model)
+
+    model, x, key = _Noisy(jnp.ones((64, 64))), jnp.ones((8, 64)), jax.random.key(0)
+    result = ox.fit(step, model, x, key, target="cpu", device_budget=2**30)
+    chosen = ox.filter_jit(step.fn, strategy=result.strategy)
+    report = ox.memory_report(chosen, model, x, key, target="cpu")
+    assert result.estimate.device_bytes == report.total
+    # The key's 8 bytes (two uint32 words) are among the arguments, as XLA counts them.
+    assert report.device["argument"] == (64 * 64 + 8 * 64) * 4 + 8
+
+
+class _Complex(eqx.Module):
+    """A complex intermediate: JAX's checkpoint cannot save it (`reduce_precision`)."""
+
+    w: jax.Array = ox.field(memory="device")
+
+    def __call__(self, x):
+        def body(x):
+            return jnp.abs((x @ self.w) * jnp.exp(1j * x)) ** 2
+
+        return ox.checkpoint(body, x)
+
+
+def _complex_step(strategy=None):
+    def step(model, x):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
+
+    return ox.filter_jit(step, strategy=strategy)
+
+
+def test_a_complex_value_saved_in_a_region_is_refused_with_the_fix():
+    model, x = _Complex(jnp.ones((64, 64))), jnp.ones((8, 64))
+    with pytest.raises(ox.ContractError, match="cannot save a complex value") as error:
+        _complex_step("offload_params")(model, x)
+    message = str(error.value)
+    assert isinstance(error.value, TypeError)  # what JAX raised
+    assert "'offload_params'" in message and "reduce_precision" in message
+    assert "test_fit_faults.py:" in message  # the user's line
+    assert "activations='remat'" in message and "params='device'" in message
+    # The fixes it names compile.
+    remat = ox.Strategy("custom", params="pinned_host", optimizer="device", activations="remat")
+    _complex_step(remat)(model, x)
+    _complex_step("baseline")(model, x)
+
+
+def test_fit_skips_a_candidate_that_would_save_a_complex_value_saying_why():
+    model, x = _Complex(jnp.ones((64, 64))), jnp.ones((8, 64))
+    result = ox.fit(_complex_step(), model, x, target="cpu", device_budget=2**30)
+    refused = [c for c in result.candidates if "complex value" in c.status]
+    assert refused and all(c.device_bytes is None for c in refused)
+    assert all(c.strategy.params == "pinned_host" for c in refused)
+    assert result.strategy.params == "device" or result.strategy.activations == "remat"
+    assert "cannot save a complex value" in result.table()
