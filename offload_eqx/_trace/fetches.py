@@ -7,6 +7,10 @@ plan path as a label, which the fetch's transpose (the gradient sent back to hos
 keeps: the audit names that gradient by path, even where the backward pass does not fetch
 the leaf again (a bias), and where the fetch is differentiated where it is traced (outside
 any loop body or region, JAX gives its transpose no trace of the fetch but the label).
+
+One fetch is refused: on XLA:GPU, a differentiated region's fetch of a host-resident
+leaf sliced by two nested loops (stacked layers inside stacked blocks), whose gradient
+XLA:GPU cannot compile (`refuse_nested_slices`).
 """
 
 import contextlib
@@ -14,6 +18,10 @@ from typing import Any
 
 import jax
 
+from .._base.errors import ContractError, Violation
+from .._base.jax_private import trace_of
+from .._host.compute import traced_platform
+from .._plan.walk import format_keys
 from .._sharding.memory_space import (
     captured_by_loop,
     fetch_kept,
@@ -95,6 +103,7 @@ def fetched(module: Any, labels: list) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(module)
     if len(labels) != len(leaves):
         labels = [None] * len(leaves)
+    refuse_nested_slices(module, labels)
     moved = []
     for x, label in zip(leaves, labels):
         if is_host_typed(x) and isinstance(label, str) and label:
@@ -102,3 +111,80 @@ def fetched(module: Any, labels: list) -> Any:
                 x = to_device(x)
         moved.append(to_device(x))
     return jax.tree_util.tree_unflatten(treedef, moved)
+
+
+_NESTED_SLICES = (
+    "{leaves} {is_} host-resident (pinned_host) and reach{es} a region as a slice of a "
+    "slice: a `jax.lax.scan` (or `ox.scan`) over stacked layers inside the body of "
+    "another loop over stacked blocks slices {it}, and the step is differentiated. "
+    "XLA:GPU cannot compile the gradient of such a slice (its host offloader fails with "
+    "`INTERNAL: during context [end-of-post-layout_assignment]`, in plain JAX too; one "
+    "level of slicing compiles). Fetch one level instead: annotate the outer block "
+    "(`ox.annotate(model, lambda m: m.blocks, memory='pinned_host')`: each block's "
+    "region fetches its stacked layers once per trip of the outer loop, and the inner "
+    "scan slices the device copy), or run the outer loop with `ox.scan(model.blocks, "
+    "x)`, which does the same; or keep the inner layers on the device "
+    "(`memory='device'`). The CPU and TPU compile it as it is."
+)
+# JAX's traces that differentiate what they trace: the gradient is what XLA:GPU fails on.
+_DIFFERENTIATING = ("JVPTrace", "LinearizeTrace")
+_LOOPS = ("scan", "while")
+
+
+def refuse_nested_slices(module: Any, labels: list) -> None:
+    """Raise a `ContractError` if a region, traced for XLA:GPU, would fetch a
+    host-resident leaf of `module` sliced by two nested loops in a differentiated step:
+    XLA:GPU fails to compile that gradient (see `_NESTED_SLICES`), after the whole
+    trace, with a message that names no leaf. A leaf a loop body closes over was fetched
+    before the region (`fetch_captured`), so a host-typed leaf here is a value of the
+    innermost loop's body: one of its slices."""
+    if traced_platform() not in ("cuda", "gpu"):
+        return
+    nested = []
+    for (keys, x), label in zip(jax.tree_util.tree_flatten_with_path(module)[0], labels):
+        if is_host_typed(x) and _in_nested_loops(trace_of(x)):
+            nested.append(_described(x, keys, label))
+    if nested:
+        message = _NESTED_SLICES.format(
+            leaves=", ".join(nested),
+            is_="is" if len(nested) == 1 else "are",
+            es="es" if len(nested) == 1 else "",
+            it="it" if len(nested) == 1 else "them",
+        )
+        raise ContractError(
+            message, [Violation("host leaf in nested loops", n, message) for n in nested]
+        )
+
+
+def _in_nested_loops(trace: Any) -> bool:
+    """Whether `trace` is nested in two loop bodies (scan, while) under a transformation
+    that differentiates the step."""
+    loops, differentiated = 0, False
+    while trace is not None:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        kind = getattr(info, "traced_for", None) or ""
+        loops += any(loop in kind for loop in _LOOPS)
+        differentiated = differentiated or type(trace).__name__ in _DIFFERENTIATING
+        trace = getattr(trace, "parent_trace", None)
+    return loops >= 2 and differentiated
+
+
+def _described(x: Any, keys: tuple, label: Any) -> str:
+    """The leaf by its plan path: its label, else the plan's host-resident leaves of
+    which it can be a slice of a slice (same trailing shape and field name)."""
+    shape = tuple(jax.typeof(x).shape)
+    if isinstance(label, str) and label:
+        return f"`{label}` (sliced to {shape})"
+    state = current()
+    field = format_keys(keys[-1:]) if keys else ""
+    found = [
+        leaf
+        for leaf in (state.plan.leaves if state is not None else ())
+        if leaf.memory == "pinned_host"
+        and len(leaf.shape) >= len(shape) + 2
+        and tuple(leaf.shape[len(leaf.shape) - len(shape) :]) == shape
+        and leaf.path.endswith(field)
+    ]
+    if not found:
+        return f"a leaf of shape {shape} (`{type(x).__name__}{format_keys(keys)}`)"
+    return " or ".join(f"`{leaf.path}` (shape {leaf.shape}, sliced to {shape})" for leaf in found)
