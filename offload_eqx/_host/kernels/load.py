@@ -15,6 +15,10 @@ platform and returns its XLA target, only when every check passes:
 - the library's SHA-256 is the one recorded when it was built (a truncated, overwritten
   or foreign file is never loaded), and its source's is the source's beside it (a stale
   build of an older source is not either);
+- its bytes are a library this machine can load (`elf`: a shared object of this
+  machine's architecture whose segments lie within the file: a library cut short by the
+  compiler that wrote it, vouched for by its record, would kill the process as it
+  loads), the dynamic loader takes it, and it has the kernel's symbols;
 - the library is loaded from the bytes that were checked (a private in-memory copy:
   a file changed on disk after the check changes nothing, and a file cut short while in
   use cannot crash the process);
@@ -36,7 +40,8 @@ from typing import Any
 
 import jax
 
-from .compile import FORMAT, HERE, KERNELS, MANIFEST
+from . import elf
+from .compile import FORMAT, HERE, KERNELS, MANIFEST, symbols
 
 KERNEL_DIR = HERE  # a test points it elsewhere, in a process of its own
 _SWITCH = "OFFLOAD_EQX_HOST_KERNELS"
@@ -154,14 +159,38 @@ def _verified(name: str, entry: dict) -> tuple[bytes, Path]:
     return data, library
 
 
-def _open(data: bytes, name: str) -> ctypes.CDLL:
-    """Load a library from a private in-memory copy of `data` (Linux's memfd)."""
+def _open(data: bytes, library: Path, name: str) -> ctypes.CDLL:
+    """Load `library` from a private in-memory copy of its `data` (Linux's memfd), once
+    its bytes are a library this machine can map (`elf.problem`): the loader maps a
+    library cut short past its end, and touching that kills the process (SIGBUS)."""
+    why = elf.problem(data)
+    if why:
+        raise Refused(f"{library} cannot be loaded on this machine: {why}; {_REINSTALL}")
     descriptor = os.memfd_create(f"offload_eqx_{name}", os.MFD_CLOEXEC)
+    copy = f"/proc/self/fd/{descriptor}"
     try:
         os.write(descriptor, data)
-        return ctypes.CDLL(f"/proc/self/fd/{descriptor}")
+        return ctypes.CDLL(copy)
+    except OSError as error:  # its text names the copy, not the library
+        detail = str(error).replace(f"{copy}: ", "")
+        raise Refused(
+            f"{library} cannot be loaded on this machine (the dynamic loader refused it: "
+            f"{detail}); {_REINSTALL}"
+        ) from None
     finally:
         os.close(descriptor)
+
+
+def _entry_points(handle: ctypes.CDLL, library: Path, name: str) -> tuple[Any, Any]:
+    """Kernel `name`'s FFI handler and the function naming its variant, in `handle`."""
+    found = [getattr(handle, symbol, None) for symbol in symbols(name)]
+    missing = [symbol for symbol, entry in zip(symbols(name), found) if entry is None]
+    if missing:
+        raise Refused(
+            f"{library} has no symbol {', '.join(missing)} (the kernel's entry points): it "
+            f"is not a build of {KERNELS[name][0]}; {_REINSTALL}"
+        )
+    return found[0], found[1]
 
 
 def _load(name: str) -> str:
@@ -172,10 +201,8 @@ def _load(name: str) -> str:
     if not sys.platform.startswith("linux"):
         raise Refused(f"built on Linux only (this is {sys.platform})")
     data, library = _verified(name, _record(name))
-    handle = _open(data, name)
-    _, _, symbol = KERNELS[name]
-    handler = getattr(handle, symbol)
-    variant = getattr(handle, f"{symbol}Variant")
+    handle = _open(data, library, name)
+    handler, variant = _entry_points(handle, library, name)
     variant.restype = ctypes.c_char_p
     target = target_name(name)
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
