@@ -27,7 +27,9 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -41,12 +43,20 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pipe")
 # Every float operation rounded as written (adamw.cc writes out each contraction XLA
 # makes); warnings of XLA's headers off.
 FLAGS += ("-ffp-contract=off", "-w")
-BUILD_SECONDS = 300
+BUILD_SECONDS = 300  # for the compiler (a test makes it shorter)
+LOAD_SECONDS = 60  # for the child process that loads what it built
 _COMPILERS = ("c++", "g++", "clang++")
 
 
 class BuildError(Exception):
     """Why a kernel was not built; recorded in the manifest."""
+
+
+def symbols(name: str) -> tuple[str, str]:
+    """The symbols kernel `name`'s library must have: its FFI handler, and the function
+    naming the processor's variant the handler runs."""
+    symbol = KERNELS[name][2]
+    return symbol, f"{symbol}Variant"
 
 
 def sha256(path: Path) -> str:
@@ -139,23 +149,118 @@ def _name(descriptor: int, path: Path) -> None:
         os.close(proc)
 
 
-def _compiler_fill(command: list[str]) -> Callable[[str, tuple[int, ...]], None]:
+def _run_bounded(
+    command: list[str], seconds: float | int, descriptors: tuple[int, ...]
+) -> subprocess.CompletedProcess:
+    """Run `command`, its output captured: past `seconds` (or on any interruption) it is
+    killed with every process it started, and reaped, so that a compiler that hangs
+    leaves no process behind. Raises `TimeoutError` when it was stopped so.
+
+    It stays in the build's process group (not a group of its own, which `killpg`
+    would end whole): a signal to the build's group, such as Ctrl-C or a CI job killed,
+    reaches it too."""
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        pass_fds=descriptors,
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=seconds)
+        except BaseException as error:
+            _kill_tree(process.pid)
+            process.wait()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise TimeoutError(
+                    f"did not finish in {seconds:g} s, and was stopped with every process "
+                    "it started"
+                ) from None
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process it started (not yet reaped: `pid` is
+    ours). Each is stopped as it is found, so that none starts another unseen, and the
+    tree is read again until it holds no new one."""
+    stopped: set[int] = set()
+    while found := ({pid} | _descendants(pid)) - stopped:
+        for each in found:
+            _signal(each, signal.SIGSTOP)
+        stopped |= found
+    for each in stopped:
+        _signal(each, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes `pid` started and those they started, by their parents in /proc."""
+    parents: dict[int, int] = {}
+    if not os.path.isdir("/proc"):  # not Linux: the build's kernels are refused anyway
+        return set()
+    for entry in os.scandir("/proc"):
+        try:
+            stat = Path(entry.path, "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:  # ended meanwhile
+            continue
+        if stat:
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _signal(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:  # ended meanwhile
+        pass
+
+
+def _compiler_fill(command: list[str], needed: tuple[str, ...]):
     def fill(output: str, descriptors: tuple[int, ...]) -> None:
         # A child writes `/proc/self/fd/N` through its own inherited descriptor N.
+        shown = shlex.join(command)
         try:
-            done = subprocess.run(
-                [*command, "-o", output],
-                capture_output=True,
-                text=True,
-                timeout=BUILD_SECONDS,
-                pass_fds=descriptors,
-            )
+            done = _run_bounded([*command, "-o", output], BUILD_SECONDS, descriptors)
+        except TimeoutError as error:
+            raise BuildError(f"`{shown}` {error}") from None
         except (OSError, subprocess.SubprocessError) as error:
-            raise BuildError(f"`{shlex.join(command)}` could not run: {error}") from None
+            raise BuildError(f"`{shown}` could not run: {error}") from None
         if done.returncode != 0:
-            raise BuildError(f"`{shlex.join(command)}` failed:\n{done.stderr[-2000:]}")
+            raise BuildError(f"`{shown}` failed:\n{done.stderr[-2000:]}")
+        why = _unloadable(output, needed, descriptors)
+        if why:
+            raise BuildError(f"`{shown}` built a library this machine cannot load: {why}")
 
     return fill
+
+
+def _unloadable(library: str, needed: tuple[str, ...], descriptors: tuple[int, ...]) -> str:
+    """Why `library` cannot be loaded here with the symbols `needed`, "" where it can: it
+    is checked and loaded as the loader will (`elf.py`), in a child process of its own,
+    which a library that crashes its loader kills instead of the build."""
+    command = [sys.executable, "-I", str(HERE / "elf.py"), library, *needed]
+    try:
+        done = _run_bounded(command, LOAD_SECONDS, descriptors)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"loading it {error}" if isinstance(error, TimeoutError) else f"{error}"
+    if done.returncode < 0:
+        return f"loading it killed the process (signal {_signal_name(-done.returncode)})"
+    if done.returncode != 0:
+        lines = done.stdout.strip().splitlines() or done.stderr.strip().splitlines()
+        return lines[-1] if lines else f"loading it failed (exit status {done.returncode})"
+    return ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def build_one(name: str, directory: Path, cxx: list[str], headers: Path) -> dict:
@@ -163,7 +268,7 @@ def build_one(name: str, directory: Path, cxx: list[str], headers: Path) -> dict
     source_file, library_file, _ = KERNELS[name]
     source = HERE / source_file
     command = [*cxx, *FLAGS, f"-I{headers}", str(source)]
-    _place(directory / library_file, _compiler_fill(command))
+    _place(directory / library_file, _compiler_fill(command, symbols(name)))
     return {
         "library": library_file,
         "sha256": sha256(directory / library_file),
