@@ -4,7 +4,8 @@ For a wheel, `offload_eqx/_host/kernels/compile.py` builds each kernel into a te
 whose files the wheel carries into `offload_eqx/_host/kernels/`, and the wheel is tagged for
 this platform. For an editable install (`pip install -e .`) it builds them into the
 source tree, where the package runs from. A kernel that cannot be built (no C++
-compiler) fails no install: its record says why, and the update runs as XLA compiles it.
+compiler, one that hangs, or a library this machine cannot load) fails no install: its
+record says why, and the update runs as XLA compiles it.
 """
 
 import importlib.util

@@ -7,7 +7,11 @@ oldest supported: a handler built against an FFI version runs on every jaxlib th
 supports it) into a library in `directory`, and `kernels.json` records what was built:
 the library's SHA-256, its source's, the compiler and its flags, or why nothing was
 built (no compiler: the update then runs as XLA compiles it). The loader
-(`_kernels/load.py`) loads nothing that record does not vouch for.
+(`load.py`) loads nothing that record does not vouch for, and the record vouches only
+for a library a child process has loaded here (`elf.py`, as the loader reads it: a
+compiler that wrote one cut short, or for another machine, gets its reason recorded
+instead). A compiler that runs past `BUILD_SECONDS` is killed with every process it
+started.
 
 No `-march=native`: one build serves every processor of its architecture, and the kernel
 picks its instructions when it is loaded (`adamw.cc`).
