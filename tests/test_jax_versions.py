@@ -3,9 +3,13 @@ error at import naming it), the JAX installed one offload_eqx was checked on, an
 XLA limits its designs rest on, each a test that fails when a JAX release lifts it
 (`docs/limits.md`). Run on every JAX pair of the matrix (`noxfile.py`)."""
 
+import ast
+import importlib
+import itertools
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -43,6 +47,71 @@ def test_a_private_name_a_release_removed_fails_naming_it():
     assert "`jax._src.nowhere.gone` or `jax._src.core.gone` (a test)" in message
     assert f"jax {jax.__version__} does not have" in message
     assert "checked on jax 0.10.2 and 0.12.0.1" in message
+
+
+def _private_names_table() -> list[str]:
+    """The rows of `docs/limits.md`'s table of private names."""
+    text = (Path(__file__).parents[1] / "docs" / "limits.md").read_text()
+    table = text.split("| private name | what for | module that uses it | checked on |")[1]
+    lines = table.strip().splitlines()[1:]  # after the header's rule
+    return list(itertools.takewhile(lambda line: line.startswith("|"), lines))
+
+
+def _looked_up() -> list[str]:
+    """Every "module:name" `jax_private` looks up (each `_lookup` call's paths)."""
+    tree = ast.parse(Path(jax_private.__file__).read_text())
+    calls = [
+        call
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_lookup"
+    ]
+    paths = [path for call in calls for path in getattr(call.args[0], "elts", ())]
+    # Each path as the module computes it (f"{_PE}:dce_jaxpr" included).
+    found = [
+        eval(compile(ast.Expression(path), "jax_private", "eval"), dict(vars(jax_private)))
+        for path in paths
+    ]
+    assert len(calls) >= 18 and all(isinstance(path, str) for path in found), found
+    return found
+
+
+def test_every_private_name_looked_up_has_a_row_in_the_limits_table():
+    """`docs/limits.md` lists every private name of JAX offload_eqx looks up, each row
+    with every JAX version it was checked on: a name added without its row fails here."""
+    looked_up = _looked_up()
+    rows = [row for row in _private_names_table() if "jax._src" in row]
+    missing = []
+    for path in looked_up:
+        module, _, name = path.partition(":")
+        first_cells = [row.split(" | ")[0] for row in rows]
+        if not any(
+            f"`{module}.{name}`" in cell or (f"`{name}`" in cell and f"`{module}." in cell)
+            for cell in first_cells
+        ):
+            missing.append(f"{module}.{name}")
+    assert missing == [], f"private names with no row in docs/limits.md: {missing}"
+    for row in rows:
+        assert all(version in row.split(" | ")[-1] for version in jax_private.CHECKED), row
+
+
+def test_a_jax_without_cuda_versions_names_the_internal_not_the_extra(monkeypatch):
+    """With `jax._src.lib.cuda_versions` gone every h100 compile said "install the `cuda`
+    extra" (installed); now it names the internal and the JAX. Without the plugin (the
+    name is None) it still names the extra."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the 'cuda' extra")
+    from offload_eqx._targets.devices import require_compiler
+    from offload_eqx._targets.targets import get_target
+
+    lib = importlib.import_module("jax._src.lib")
+    monkeypatch.delattr(lib, "cuda_versions")
+    with pytest.raises(jax_private.MissingInternal) as error:
+        require_compiler(get_target("h100"))
+    message = str(error.value)
+    assert "`jax._src.lib.cuda_versions` (the CUDA plugin's version queries" in message
+    assert f"jax {jax.__version__} does not have" in message and "extra" not in message
+    monkeypatch.setattr(lib, "cuda_versions", None, raising=False)
+    with pytest.raises(ImportError, match=r"\(jax loaded no CUDA plugin\).*extra 'cuda'"):
+        require_compiler(get_target("h100"))
 
 
 def _h100_host():

@@ -155,10 +155,12 @@ def cuda_plugin_api() -> Any:
 
 
 def cuda_versions() -> Any:
-    """The CUDA plugin's version queries (`cudnn_get_version`), None without the plugin
-    (the plugin is optional: looked up when asked, not at import)."""
-    try:
-        from jax._src.lib import cuda_versions as versions
-    except ImportError:
-        return None
-    return versions
+    """The CUDA plugin's version queries (`cudnn_get_version`), None where JAX found no
+    CUDA plugin (it is optional); a `MissingInternal` naming `jax._src.lib.cuda_versions`
+    where this JAX has no such name (so a GPU target does not say "install the extra"
+    when the extra is there). Looked up when asked, not at import: a CPU-only user of a
+    JAX without it is not stopped."""
+    return _lookup(
+        ("jax._src.lib:cuda_versions",),
+        "the CUDA plugin's version queries, to check that cuDNN loads",
+    )

@@ -73,7 +73,8 @@ def require_compiler(target: Target) -> None:
 
 def _cudnn_problem() -> str | None:
     """Why cuDNN cannot be loaded (jax says "cuDNN not found." when tracing a cuDNN
-    kernel without it), or None when it loads or jax gives no way to ask."""
+    kernel without it), or None when it loads. A JAX without the internal this asks
+    through raises `MissingInternal` naming it, not a missing extra."""
     versions = cuda_versions()
     if versions is None:
         return "jax loaded no CUDA plugin"
