@@ -250,7 +250,7 @@ UNFINISHED = {
         r"does not exist; only `step_2.orbax-checkpoint-tmp-1700000000` does, .*interrupted",
     ),
     "without_metadata": (ValueError, r"`.*run/step_2` is not a complete .*no `_METADATA`"),
-    "damaged_metadata": (ValueError, r"`.*run/step_2` is damaged: Orbax could not read"),
+    "damaged_metadata": (ValueError, r"`.*run/step_2` is damaged: its `_METADATA` .*JSONDecode"),
 }
 
 
@@ -747,11 +747,38 @@ def test_a_checkpoint_named_as_long_as_a_file_name_may_be_saves_and_restores(tmp
     assert os.listdir(tmp_path) == [name]
 
 
-def test_an_interrupted_save_of_a_long_name_is_named_when_its_checkpoint_is_missing(tmp_path):
-    name = "r" * 250
-    (tmp_path / (name[:230] + ".offload_eqx-tmp-abcdefgh")).mkdir()  # a killed save's
-    with pytest.raises(FileNotFoundError, match=r"offload_eqx-tmp-abcdefgh` does, .*interrupted"):
-        ox.restore_checkpoint(tmp_path / name, {"w": jnp.zeros(3)})
+def _leave_a_killed_save(monkeypatch, path):
+    """The temporary directory of a save of `path` killed before its rename: the save
+    fails once Orbax has written, and its directory is not removed."""
+    import offload_eqx._arrays.checkpoint_writes as checkpoint_writes
+    import offload_eqx._arrays.checkpoints as checkpoints
+
+    def killed(path, arrays):
+        raise RuntimeError("killed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoints, "write_checksums", killed)
+        patched.setattr(checkpoint_writes, "_remove", lambda directory: None)
+        with pytest.raises(RuntimeError, match="killed"):
+            ox.save_checkpoint(path, {"w": jnp.arange(3.0)})
+    (leftover,) = [p.name for p in path.parent.iterdir() if ".offload_eqx-tmp-" in p.name]
+    return leftover
+
+
+def test_two_long_names_sharing_their_first_230_bytes_are_never_confused(tmp_path, monkeypatch):
+    """Issue 66, item 6: a save's temporary directory carried its checkpoint's name cut at
+    230 bytes, so restoring a never-saved long name reported another name's leftover
+    temporary directory as its own."""
+    saved, never = tmp_path / ("r" * 230 + "a" * 20), tmp_path / ("r" * 230 + "b" * 20)
+    leftover = _leave_a_killed_save(monkeypatch, saved)
+    assert len(leftover.encode()) == 255
+    with pytest.raises(FileNotFoundError, match=rf"only `{leftover}` does, .*interrupted"):
+        ox.restore_checkpoint(saved, {"w": jnp.zeros(3)})
+    with pytest.raises(FileNotFoundError) as missing:
+        ox.restore_checkpoint(never, {"w": jnp.zeros(3)})
+    assert "offload_eqx-tmp" not in str(missing.value), str(missing.value)
+    ox.save_checkpoint(never, {"w": jnp.arange(3.0)})  # beside the other's leftover
+    assert float(ox.restore_checkpoint(never, {"w": jnp.zeros(3)})["w"][2]) == 2.0
 
 
 @pytest.mark.parametrize("name", ["back\\slash", "a\\b[1]"])
@@ -819,3 +846,90 @@ def test_a_checkpoint_orbax_wrote_is_still_compared_by_orbax_metadata(tmp_path):
     like = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)}
     with pytest.raises(ValueError, match=r"`like\['w'\]` is float32\[2, 3\] in the checkpoint"):
         ox.restore_checkpoint(tmp_path / "orbax", like)
+
+
+# -- issue 66, item 6: checkpoint names and files, the rest ------------------------------
+
+
+@pytest.mark.parametrize("form", [os.fsdecode, os.fsencode])
+def test_a_path_that_is_not_utf8_is_refused_before_anything_is_made(tmp_path, form):
+    """A name of bytes that are not UTF-8 (`os.fsdecode(b"ckpt\\xff")`) failed with
+    `UnicodeEncodeError` once the parent directory was made (Orbax itself: `RuntimeError:
+    Unable to cast Python instance`); a bytes path failed on `[` in it."""
+    path = form(os.fsdecode(os.fsencode(tmp_path / "new") + b"/ckpt\xff"))
+    with pytest.raises(
+        ValueError,
+        match=r"path '.*/new/ckpt\\udcff' is not valid UTF-8: it holds '\\udcff'.*"
+        r"Orbax and TensorStore take a path only as UTF-8.*nothing was written.*'.*/new/ckpt_'",
+    ):
+        ox.save_checkpoint(path, {"w": jnp.ones(3)})
+    assert os.listdir(tmp_path) == []
+    ox.save_checkpoint(tmp_path / "fine", {"w": jnp.ones(3)})
+    os.makedirs(os.path.dirname(path))
+    os.rename(tmp_path / "fine", path)
+    with pytest.raises(ValueError, match=r"not valid UTF-8.*nothing was read.*rename"):
+        ox.restore_checkpoint(path, {"w": jnp.ones(3)})
+
+
+def _deep_json():
+    return "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_deeply_nested_metadata_file_is_damaged_not_a_recursion_error(tmp_path, verify):
+    """`_METADATA` of deeply nested JSON raised `RecursionError` from our parse of it."""
+    run = _saved_run(tmp_path)
+    (run / "step_1" / "_METADATA").write_text(_deep_json())
+    with pytest.raises(
+        ValueError, match=r"`.*step_1` is damaged: its `_METADATA` .*nested too deeply"
+    ):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny), verify=verify)
+
+
+def test_a_deeply_nested_checksum_file_is_damaged_not_a_recursion_error(tmp_path):
+    """The checksum file of deeply nested JSON raised `RecursionError`; damaged, it is
+    skipped by `verify=False` as any other damage is."""
+    run = _saved_run(tmp_path)
+    (run / "step_1" / "offload_eqx_checksums.json").write_text(_deep_json())
+    with pytest.raises(
+        ValueError,
+        match=r"`offload_eqx_checksums.json` in `.*step_1` cannot be read \(ValueError: it is "
+        r"nested too deeply to be parsed\): the checkpoint is damaged",
+    ):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+    restored = ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny), verify=False)
+    np.testing.assert_array_equal(restored["w"], _tiny()["w"])
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_a_damaged_manifest_is_named_not_quoted_as_tensorstore_spec(tmp_path, damage):
+    """A garbage `manifest.ocdbt` gave TensorStore's error with the array's spec, a page
+    of JSON, instead of saying that the checkpoint is damaged."""
+    run = _saved_run(tmp_path)
+    manifest = run / "step_1" / "manifest.ocdbt"
+    data = manifest.read_bytes()
+    manifest.write_bytes(b"garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(
+        ValueError, match=r"`.*step_1` is damaged: its `manifest.ocdbt` \(where each array"
+    ) as damaged:
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+    assert "tensorstore_spec" not in str(damaged.value) and len(str(damaged.value)) < 1000
+
+
+def test_a_checksum_file_over_the_limit_is_refused_by_its_size_before_a_read(tmp_path, monkeypatch):
+    """A checksum file over 256 MiB was refused only after 256 MiB of it were read."""
+    import builtins
+
+    run = _saved_run(tmp_path)
+    checksums = run / "step_1" / "offload_eqx_checksums.json"
+    with open(checksums, "wb") as f:
+        f.truncate(2**30)
+    opened, real_open = [], builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda file, *a, **k: opened.append(str(file)) or real_open(file, *a, **k)
+    )
+    with pytest.raises(
+        ValueError, match=r"checksums.json` in `.*` is 1,073,741,824 bytes, larger than 256 MiB"
+    ):
+        ox.restore_checkpoint(run / "step_1", jax.eval_shape(_tiny))
+    assert str(checksums) not in opened

@@ -12,7 +12,6 @@ Orbax wrote, an array spread over processes, which has no checksum).
 
 import contextlib
 import functools
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,8 @@ from .checkpoint_checks import (
     DATA_DAMAGED,
     DIFFERENT_LEAF,
     EXTRA_LEAVES,
+    FILE_DAMAGED,
+    MANIFEST,
     METADATA_DAMAGED,
     MISSING_LEAF,
     READ_FAILED,
@@ -37,8 +38,9 @@ from .checkpoint_checks import (
     has_elements,
     is_key,
     key_of,
-    read_checksums,
+    load_json,
 )
+from .checkpoint_checksums import read_checksums
 
 Key = tuple[str, ...]
 
@@ -72,19 +74,42 @@ def records_for(caller: str, path: str, verify: bool) -> dict[Key, Any] | None:
         return None
 
 
-def _stored_keys(path: str) -> set[Key] | None:
+def _tree_metadata(caller: str, path: str) -> Any:
+    """`_METADATA` parsed; a `ValueError` saying the checkpoint is damaged when it is no
+    JSON (nested too deeply, it was a `RecursionError`); None when it cannot be read."""
+    try:
+        with open(os.path.join(path, TREE_METADATA), "rb") as file:
+            text = file.read()
+    except OSError:
+        return None
+    try:
+        return load_json(text)
+    except ValueError as error:
+        raise ValueError(
+            FILE_DAMAGED.format(
+                caller=caller,
+                path=path,
+                file=TREE_METADATA,
+                what="each leaf's shape and dtype",
+                cause=f"{type(error).__name__}: {error}",
+                complete=complete_beside(path),
+            )
+        ) from None
+
+
+def _stored_keys(caller: str, path: str) -> set[Key] | None:
     """The key path of each array Orbax stored, from its `_METADATA` (which also lists
     empty nodes, None and `()`, as not to be read); None where the file is not as Orbax
     writes it (then Orbax's `metadata` is asked, and says what is wrong)."""
+    document = _tree_metadata(caller, path)
     try:
-        with open(os.path.join(path, TREE_METADATA), "rb") as file:
-            entries = json.load(file)["tree_metadata"].values()
+        entries = document["tree_metadata"].values()
         return {
             tuple(str(key["key"]) for key in entry["key_metadata"])
             for entry in entries
             if not entry["value_metadata"].get("skip_deserialize", False)
         }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
 
 
@@ -94,7 +119,7 @@ def _orbax_metadata(caller: str, path: str, checkpointer: Any) -> Any:
     try:
         metadata = checkpointer.metadata(path).item_metadata
     except Exception as error:
-        cause = f" ({type(error).__name__}: {error})"
+        cause = f" ({type(error).__name__}: {_without_spec(error)})"
         raise ValueError(
             METADATA_DAMAGED.format(
                 caller=caller, path=path, cause=cause, complete=complete_beside(path)
@@ -162,7 +187,7 @@ def check_stored(caller: str, path: str, checkpointer: Any, target: Any, records
     """`_compare` against the records and `_METADATA` where they describe every array
     of `target` that Orbax stored; else against Orbax's metadata of each array."""
     recorded: dict[Key, Any] = records if records is not None else {}
-    keys = _stored_keys(path) if records is not None else None
+    keys = _stored_keys(caller, path) if records is not None else None
     if keys is not None:
         leaves = jax.tree_util.tree_leaves_with_path(target)
         wanted = (tuple(key_of(k) for k in leaf_keys) for leaf_keys, _ in leaves)
@@ -230,12 +255,39 @@ def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
+def _without_spec(error: BaseException) -> str:
+    """The first line of an error, less the TensorStore spec of the array it quotes (a
+    page of JSON that says nothing about what is wrong)."""
+    return _first_line(error).split(" [tensorstore_spec")[0]
+
+
+def _manifest_damaged(caller: str, path: str, error: BaseException) -> ValueError | None:
+    """The error naming `manifest.ocdbt` when TensorStore could not read it."""
+    named = f'{os.path.join(path, MANIFEST)}": '
+    text = _without_spec(error)
+    if named not in text:
+        return None
+    return ValueError(
+        FILE_DAMAGED.format(
+            caller=caller,
+            path=path,
+            file=MANIFEST,
+            what="where each array's bytes are in the data files",
+            cause=text.split(named, 1)[1],
+            complete=complete_beside(path),
+        )
+    )
+
+
 def restored_from(caller: str, path: str, checkpointer: Any, target: Any) -> Any:
     """Orbax's restore of `target` from `path`; a data file it cannot read is a
     `ValueError` naming the checkpoint and the leaf."""
     try:
         return checkpointer.restore(path, target)
     except Exception as error:
+        manifest = _manifest_damaged(caller, path, error)
+        if manifest is not None:
+            raise manifest from None  # TensorStore's spec of the array says no more
         if READ_FAILED not in str(error):
             raise
         cause = _first_line(error.__cause__ or error)

@@ -11,7 +11,8 @@ the first to finish wins; the other finds `<name>` taken, discards its own and r
 save that fails for any reason, or whose caller is interrupted, removes its directory
 (once every writer has stopped: `checkpoint_writers`). A path Orbax cannot read back (one
 with `[` or `]`, which it globs, or `\\`, which TensorStore reads as a separator) is
-refused before anything is written.
+refused before anything is written, and so is a path that is not UTF-8 text (Orbax and
+TensorStore take no other).
 """
 
 import contextlib
@@ -166,6 +167,33 @@ _WHY = {
 }  # fmt: skip
 
 
+_NOT_UTF8 = (
+    "{caller}: the path {path!r} is not valid UTF-8: it holds {bad}, bytes that are not "
+    "UTF-8 text (Python keeps each as a `\\udc..` escape). Orbax and TensorStore take a "
+    "path only as UTF-8 text (Orbax failed with `RuntimeError: Unable to cast Python "
+    "instance of type <class 'str'>` once it had made the directory), so nothing was "
+    "{done}. Use a UTF-8 name, e.g. {example!r}{move}."
+)
+
+
+def _check_utf8(caller: str, path: str, restoring: bool) -> None:
+    """`path` is UTF-8 text: a name of other bytes (`os.fsdecode(b"ckpt\\xff")`) is
+    refused before anything is made on disk."""
+    bad = [c for c in path if 0xD800 <= ord(c) <= 0xDFFF]
+    if not bad:
+        return
+    raise ValueError(
+        _NOT_UTF8.format(
+            caller=caller,
+            path=path,
+            bad=_listed([repr(c) for c in dict.fromkeys(bad)]),
+            done="read" if restoring else "written",
+            example="".join("_" if c in bad else c for c in path),
+            move=" (rename the directory, then restore it)" if restoring else "",
+        )
+    )
+
+
 def _listed(items: list[str]) -> str:
     """`a`, `a and b`, `a, b and c`."""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
@@ -175,7 +203,9 @@ def check_readable_path(caller: str, path: str, restoring: bool = False) -> None
     """`path` has no `[`, `]` or `\\`: Orbax globs its paths, and TensorStore reads a
     backslash as a separator, so with any of them in any part of a path a checkpoint
     saves and never restores (`run [1]`, `lr[1e-3]`, `back\\slash`; `*` and `?`
-    restore). A save refuses it before writing; a restore says why it cannot read it."""
+    restore); and it is UTF-8 text. A save refuses it before writing (before making its
+    parent); a restore says why it cannot read it."""
+    _check_utf8(caller, path, restoring)
     found = [c for c in _WHY if c in path]
     if not found:
         return

@@ -27,14 +27,8 @@ import jax
 from .._declare.strategy import Strategy
 from .._plan.walk import is_array_leaf
 from .._sharding.mesh import AnyMesh
-from .checkpoint_checks import (
-    check_absent,
-    check_complete,
-    check_savable,
-    check_unique_names,
-    verify_checksums,
-    write_checksums,
-)
+from .checkpoint_checks import check_absent, check_complete, check_savable, check_unique_names
+from .checkpoint_checksums import verify_checksums, write_checksums
 from .checkpoint_files import tree_deserialise_leaves
 from .checkpoint_reads import (
     check_stored,
@@ -143,9 +137,10 @@ def save_checkpoint(
     - Before anything is written: `ValueError` naming the first leaf that cannot be
         saved: deleted (donated to a step), abstract (a `jax.ShapeDtypeStruct`: no
         values), traced, a NumPy array of strings or objects, or (in a run of several
-        processes) an array on one process's devices only; `FileExistsError` when `path`
-        exists; `NotADirectoryError` or `PermissionError` when its directory cannot be
-        made.
+        processes) an array on one process's devices only; `ValueError` naming `path`
+        when Orbax could not read it back (`[`, `]`, `\\`, or bytes that are not UTF-8);
+        `FileExistsError` when `path` exists; `NotADirectoryError` or
+        `PermissionError` when its directory cannot be made.
     - Once nothing is left: `FileExistsError` naming `path` when another save finished
         it first; `OSError` naming `path` and what to do, with the error chained, when
         the disk is full (`errno.ENOSPC`, or `EDQUOT`: Orbax's own errors were a bare
@@ -158,7 +153,7 @@ def save_checkpoint(
     check_savable(caller, tree)
     check_unique_names(caller, eqx.filter(tree, eqx.is_array))
     ocp = _orbax(caller)
-    path = os.path.realpath(path)
+    path = os.path.realpath(os.fsdecode(path))
     check_readable_path(caller, path)
     check_absent(caller, path)
     if not wait:
@@ -222,11 +217,12 @@ def restore_checkpoint(
         with another shape or dtype, before anything is read.
     - `ValueError` naming the checkpoint and the leaf when a data file cannot be read
         (truncated or missing: the checkpoint is damaged), or when an array differs from
-        its checksum.
+        its checksum; naming the checkpoint and the file when `manifest.ocdbt`,
+        `_METADATA` or the checksum file cannot be read.
     """
     caller = "ox.restore_checkpoint"
     ocp = _orbax(caller)
-    path = os.path.realpath(path)
+    path = os.path.realpath(os.fsdecode(path))
     check_complete(caller, path)
     check_readable_path(caller, path, restoring=True)
     planned = eqx.filter(abstract(like, strategy, mesh=mesh), is_array_leaf)
