@@ -63,6 +63,7 @@ from .state import is_none
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _OPTAX_ONLY = contextvars.ContextVar("offload_eqx_optax_only", default=False)
+_WHOLE = contextvars.ContextVar("offload_eqx_whole_update", default=None)
 
 
 @contextlib.contextmanager
@@ -75,6 +76,21 @@ def optax_only() -> Iterator[None]:
         yield
     finally:
         _OPTAX_ONLY.reset(token)
+
+
+@contextlib.contextmanager
+def as_whole_update(leaves: int, clipped: bool) -> Iterator[None]:
+    """Trace the kernel's calls with the roundings of the whole tree's update, which a
+    stream computes one leaf (or one slice) at a time: XLA merges the bias corrections'
+    divisions where they serve more than one of the whole tree's `leaves` (of at least
+    one element), and computes a gradient `clipped` by a global transformation
+    (`global_transform=optax.clip_by_global_norm(...)`) inside the moments' loop. The
+    stream's parameters are then the whole update's, bit for bit."""
+    token = _WHOLE.set((leaves > 1, clipped))
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +212,13 @@ def recognise(tx: Any) -> AdamW | None:
     return dataclasses.replace(spec, prefix=parts[:-1])
 
 
+def clips_first(global_transform: Any, tx: Any) -> bool:
+    """Whether `optax.chain(global_transform, tx)` is a clipping the kernel recognises
+    before `optax.adam(w)`."""
+    spec = recognise(optax.chain(global_transform, tx))
+    return spec is not None and bool(spec.prefix)
+
+
 def _is_clip(update: Any) -> bool:
     """Whether `update` is optax's `clip_by_global_norm`: the one transformation before
     Adam whose arithmetic the kernel is held to (`adamw.cc`: XLA computes the clipped
@@ -230,10 +253,11 @@ def _states(state: Any) -> tuple[Any, Any] | None:
     return adam, last if isinstance(last, optax.ScaleByScheduleState) else None
 
 
-def _scalars(spec: AdamW, adam: Any, schedule: Any, merged: bool) -> jax.Array:
+def _scalars(spec: AdamW, adam: Any, schedule: Any, merged: bool, computed: bool) -> jax.Array:
     """The kernel's scalars, computed as optax computes them (`tree_bias_correction`,
     `scale_by_learning_rate`); `merged`: XLA merges the bias corrections' divisions into
-    one, as it does where they serve more than one leaf (`adamw.cc`)."""
+    one, as it does where they serve more than one leaf; `computed`: the gradient is
+    computed in the moments' loop (clipped there), not loaded (`adamw.cc`)."""
     count: Any = optax.safe_increment(adam.count)
     c1 = (1 - spec.b1**count).astype(jnp.float32)
     c2 = (1 - spec.b2**count).astype(jnp.float32)
@@ -247,7 +271,7 @@ def _scalars(spec: AdamW, adam: Any, schedule: Any, merged: bool) -> jax.Array:
     return jnp.stack(
         [f32(1 - b1), f32(b1), f32(1 - b2), f32(b2), c1, c2]
         + [f32(spec.eps_root), f32(spec.eps), f32(wd), step, f32(float(merged))]
-        + [f32(float(bool(spec.prefix)))]
+        + [f32(float(computed))]
     )
 
 
@@ -381,8 +405,9 @@ def fused_values(
         if found is None or not _supported(*found[2]):
             return otherwise()
     structure, kept, leaves = found
-    merged = sum(1 for m in leaves[1] if m.size) > 1
-    s = _scalars(spec, adam, schedule, merged)
+    # Called by a stream on one leaf, the kernel rounds as the whole tree's update does.
+    merged, clipped = _WHOLE.get() or (sum(1 for m in leaves[1] if m.size) > 1, False)
+    s = _scalars(spec, adam, schedule, merged, bool(spec.prefix) or clipped)
     outs = _call(name, leaves, s, _flags(decayed, leaves[1])) if leaves[0] else []
     values, new_master, new_adam = _assemble(structure, kept, adam_inner, adam, schedule, outs)
     return values, new_master, (*prefix_states, new_adam) if spec.prefix else new_adam

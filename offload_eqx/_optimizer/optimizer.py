@@ -268,7 +268,9 @@ def offload_optimizer(
     state into its memory, sharded like the parameters (scalars on the device), and whose
     `update(grads, state, params)` computes on the device, fetching host-typed gradients,
     state and parameters explicitly and sending the new state back. Its updates equal
-    those of `optax.chain(global_transform, tx)` (streams: to about 1 ulp per step). Use
+    those of `optax.chain(global_transform, tx)` (bit for bit where the host kernel
+    computes them, streams included; where XLA compiles a one-leaf update otherwise than
+    the whole tree's, to about 1 ulp per step: the optimizer guide's "Exactness"). Use
     `ox.update_and_apply(opt, grads, state, params)` to apply the updates inside the
     streamed loop, so host-resident parameters are never fetched whole either.
     """

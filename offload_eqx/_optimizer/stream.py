@@ -36,7 +36,9 @@ place). Only one layer's state, gradient and parameter are on the device at a ti
 is valid for transformations elementwise within a leaf (`adam`, `adamw`, `sgd`), which
 `init` checks; scalars of the state (Adam's count) are shared by all slices. The streamed
 `ox.update_and_apply` applies the updates in the same loop, so the parameters are never
-fetched whole either.
+fetched whole either. With masters, the host kernel's call for one leaf (or slice) rounds
+as the whole tree's update does (`fused_adamw.as_whole_update`): a stream's masters are
+the whole update's, bit for bit.
 """
 
 from typing import Any
@@ -51,6 +53,7 @@ from .._declare.strategy import HOST_UPDATES
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
 from .checks import check_elementwise, check_per_leaf, is_stacked
+from .fused_adamw import as_whole_update, clips_first
 from .host import HostUpdate, combine_results
 from .masters import step_values, value_writer
 from .slices import Slices, layer_slices, sharded_axes, sharded_like_its_leaf, weight_slices, write
@@ -295,16 +298,25 @@ class StreamedUpdate:
             param_leaves = jax.tree_util.tree_leaves(params)
         token: Any = _device_leaves(grad_leaves)
         outs, new_states = [], []
-        for grad, leaf_state, param in zip(grad_leaves, leaf_states, param_leaves):
-            out, new_state, token = self._one_leaf(
-                grad, leaf_state, param, extra_args, apply, token
-            )
-            outs.append(out)
-            new_states.append(new_state)
+        leaves = sum(1 for g in grad_leaves if np.size(g))
+        with as_whole_update(leaves, self._clipped()):
+            for grad, leaf_state, param in zip(grad_leaves, leaf_states, param_leaves):
+                out, new_state, token = self._one_leaf(
+                    grad, leaf_state, param, extra_args, apply, token
+                )
+                outs.append(out)
+                new_states.append(new_state)
         new_inner = StreamState(
             global_state=global_state, leaves=jax.tree_util.tree_unflatten(treedef, new_states)
         )
         return jax.tree_util.tree_unflatten(treedef, outs), type(state)(new_inner)
+
+    def _clipped(self) -> bool:
+        """Whether the whole update, `optax.chain(global_transform, tx)`, clips the
+        gradients inside its moments' loop (the host kernel's form of it)."""
+        writer = value_writer(self.tx)
+        tx = self.tx if writer is None else writer.tx
+        return self.global_transform is not None and clips_first(self.global_transform, tx)
 
     def _slices(self, grad: Any, leaf_state: Any, param: Any) -> Slices | None:
         """How the loop cuts this leaf: by layer when stacked, in slices of the weight
