@@ -1,9 +1,10 @@
-"""The proof's child process (`gpu_host.target`): `python -P -m ...gpu_host_proof <kernel>
-<GPU description>` registers kernel `<kernel>` with the CUDA plugin's host compiler and
-compiles, for that GPU (no GPU needed), a host computation that calls it. It prints
-`{"ok": true, ...}` when the compiled program calls the kernel; where the plugin's
-registry misses it, the compile aborts this process, which the parent reads as the
-answer. Nothing it compiles is run."""
+"""The proof's child process (`gpu_host.target`): run as `__main__` with the arguments
+`<kernel> <GPU description>` by a Python started isolated (`-I`) whose path begins with
+the parent's own import roots (`gpu_host._proof_command`), it registers kernel
+`<kernel>` with the CUDA plugin's host compiler and compiles, for that GPU (no GPU
+needed), a host computation that calls it. It prints `{"ok": true, ...}` when the
+compiled program calls the kernel; where the plugin's registry misses it, the compile
+aborts this process, which the parent reads as the answer. Nothing it compiles is run."""
 
 import json
 import sys
