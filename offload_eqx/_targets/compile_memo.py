@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._base.jax_private import persistent_cache_min_compile_time_secs
+from .compiler_faults import compile_checked
 from .devices import attached_devices
 from .targets import Target
 
@@ -57,7 +58,7 @@ def compile_once(
     else:
         caught: list[str] = []
         with capture(caught), _kept_out_of_the_persistent_cache_if_deviceless(target):
-            compiled = lowered.compile()
+            compiled = compile_checked(lowered, target)  # known XLA:GPU faults named
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)
