@@ -363,3 +363,27 @@ def test_host_resident_weights_sliced_and_biases_whole_stay_on_the_host(
     # plain program: the gradients differ by about an ulp (2.4e-6 after three steps).
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_an_update_too_small_to_slice_is_traced_once():
+    """`stream=None` decides from the leaves' sizes that no group of a small model's
+    update is large enough to slice, before tracing it (it traced the whole update to
+    find out, then traced it again to compute it: twice the optimizer's trace time)."""
+    calls = []
+    adam = optax.adam(1e-3)
+
+    def update(updates, state, params=None):
+        calls.append(1)
+        return adam.update(updates, state, params)
+
+    opt = ox.offload_optimizer(optax.GradientTransformation(adam.init, update))
+    params = eqx.filter(_mlp(), eqx.is_array)
+    state = opt.init(params)
+
+    @ox.filter_jit
+    def step(params, state):
+        grads = jax.tree_util.tree_map(jnp.ones_like, params)
+        return opt.update(grads, state, params)
+
+    step(params, state)
+    assert len(calls) == 1

@@ -75,6 +75,8 @@ def update_in_slices(
     plan = active_plan()
     if plan is not None and plan.mesh is not None and plan.mesh.size > 1:
         return None
+    if not _may_slice(grads, state):
+        return None  # decided from the sizes: no need to trace the update here
     arrays, values = eqx.partition(state, eqx.is_array)
     extra_arrays, extra_values = eqx.partition(extra, eqx.is_array)
     parts = [on_device(grads), arrays, params, extra_arrays]
@@ -118,6 +120,20 @@ def update_in_slices(
     updates = jax.tree_util.tree_unflatten(update_def, outs[:n_updates])
     new_arrays = jax.tree_util.tree_unflatten(state_def, outs[n_updates:])
     return updates, eqx.combine(new_arrays, new_values)
+
+
+def _may_slice(grads: Any, state: Any) -> bool:
+    """Whether some group's results may exceed `SLICE_BYTES`, from the leaves' sizes alone
+    (before the update is traced): a sliced group's results all have its gradient's
+    number of elements, so they are at most the gradients and state leaves of that number
+    of elements, an update counted at 8 bytes an element (the widest it can be)."""
+    held: dict[int, int] = {}
+    for g in jax.tree_util.tree_leaves(grads):
+        held[_size(g)] = held.get(_size(g), 0) + 8 * _size(g)
+    for x in jax.tree_util.tree_leaves(state):
+        if eqx.is_array(x) and _size(x) in held:
+            held[_size(x)] += _size(x) * jnp.dtype(x.dtype).itemsize
+    return any(size > 1 and nbytes > SLICE_BYTES for size, nbytes in held.items())
 
 
 def in_slices_applies(inner: Any) -> bool:
