@@ -35,17 +35,17 @@ first examples; its documentation site (concepts, a guide per task, the API refe
 is built with `nox -s docs` into `site/index.html`.
 """
 
-from ._arrays.checkpoints import (
-    restore_checkpoint as restore_checkpoint,
-    save_checkpoint as save_checkpoint,
-    tree_deserialise_leaves as tree_deserialise_leaves,
-)
 from ._arrays.place import abstract as abstract, place as place, shard as shard
 from ._base.errors import (
     ContractError as ContractError,
     HostUseError as HostUseError,
     ImplicitTransferError as ImplicitTransferError,
     Violation as Violation,
+)
+from ._checkpoints.checkpoints import (
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+    tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._declare.activations import (
     Activations as Activations,

@@ -469,7 +469,7 @@ def test_saving_over_an_existing_path_is_refused_before_anything_is_written(tmp_
 
 def test_a_save_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
     """A save that failed after Orbax had finished left a checkpoint listed as complete."""
-    import offload_eqx._arrays.checkpoints as checkpoints
+    import offload_eqx._checkpoints.checkpoints as checkpoints
 
     def full_disk(path, arrays):
         raise OSError(28, "No space left on device")
@@ -750,15 +750,15 @@ def test_a_checkpoint_named_as_long_as_a_file_name_may_be_saves_and_restores(tmp
 def _leave_a_killed_save(monkeypatch, path):
     """The temporary directory of a save of `path` killed before its rename: the save
     fails once Orbax has written, and its directory is not removed."""
-    import offload_eqx._arrays.checkpoint_writes as checkpoint_writes
-    import offload_eqx._arrays.checkpoints as checkpoints
+    import offload_eqx._checkpoints.checkpoints as checkpoints
+    import offload_eqx._checkpoints.private_directory as private_directory
 
     def killed(path, arrays):
         raise RuntimeError("killed")
 
     with monkeypatch.context() as patched:
         patched.setattr(checkpoints, "write_checksums", killed)
-        patched.setattr(checkpoint_writes, "_remove", lambda directory: None)
+        patched.setattr(private_directory, "_remove", lambda directory: None)
         with pytest.raises(RuntimeError, match="killed"):
             ox.save_checkpoint(path, {"w": jnp.arange(3.0)})
     (leftover,) = [p.name for p in path.parent.iterdir() if ".offload_eqx-tmp-" in p.name]

@@ -14,6 +14,7 @@ LAYERS = (
     "_plan",
     "_trace",
     "_arrays",
+    "_checkpoints",
     "_jit",
     "_optimizer",
     "_targets",

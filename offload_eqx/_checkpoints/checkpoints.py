@@ -6,12 +6,12 @@ restored without passing through it. Every restore asks the plan where each leaf
 leaf by leaf into each leaf's planned sharding; `ox.restore_checkpoint` gives Orbax the
 planned shardings as its restore target (Orbax does the I/O, `ox.save_checkpoint` too).
 Both compare what is stored with `like` first and name the first leaf that differs, and
-type each restored array by its memory (`checkpoint_reads`). A save refuses what could
-not be restored before writing anything, writes privately and renames
-(`checkpoint_writes`), each write in a thread of its own, whose writers have all stopped
-before an error or an interrupt reaches the caller (`checkpoint_writers`): a checkpoint is
-complete or absent. Orbax keeps no checksum: `ox.save_checkpoint` writes one for each
-array beside Orbax's files, and `ox.restore_checkpoint` checks it. A path that is no
+type each restored array by its memory (`reads`). A save refuses what could not be
+restored before writing anything, writes privately and renames (`private_directory`),
+each write in a thread of its own, whose writers have all stopped before an error or an
+interrupt reaches the caller (`writers`): a checkpoint is complete or absent. Orbax
+keeps no checksum: `ox.save_checkpoint` writes one for each array beside Orbax's files,
+and `ox.restore_checkpoint` checks it (`checksums`). A path that is no
 complete checkpoint, or one that is damaged, is an error naming it and the complete
 checkpoints beside it.
 """
@@ -24,13 +24,15 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from .._arrays.place import abstract, check_not_deleted
 from .._declare.strategy import Strategy
 from .._plan.walk import is_array_leaf
 from .._sharding.mesh import AnyMesh
-from .checkpoint_checks import check_absent, check_complete, check_savable, check_unique_names
-from .checkpoint_checksums import verify_checksums, write_checksums
-from .checkpoint_files import tree_deserialise_leaves
-from .checkpoint_reads import (
+from .checks import check_absent, check_complete, check_savable, check_unique_names
+from .checksums import verify_checksums, write_checksums
+from .equinox_files import tree_deserialise_leaves
+from .private_directory import check_not_abandoned, check_readable_path, private_checkpoint
+from .reads import (
     check_stored,
     completed,
     opened_checkpointer,
@@ -38,9 +40,7 @@ from .checkpoint_reads import (
     records_for,
     restored_from,
 )
-from .checkpoint_writers import in_background, orbax_write, raise_named, write_to_the_end
-from .checkpoint_writes import check_not_abandoned, check_readable_path, private_checkpoint
-from .place import abstract, check_not_deleted
+from .writers import in_background, orbax_write, raise_named, write_to_the_end
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "tree_deserialise_leaves"]
 

@@ -1,7 +1,7 @@
 """What a checkpoint holds, checked: complete, undamaged, the leaves `like` expects.
 
 A save writes its checkpoint into a private temporary directory, renamed into place once
-complete (`checkpoint_writes`). Here: what can be saved (checked before anything is
+complete (`private_directory`). Here: what can be saved (checked before anything is
 written), the name of a save's temporary directory, whether a path is a complete
 checkpoint (else which ones beside it are), the JSON files of a checkpoint parsed as
 damaged when they cannot be, and the messages that name the first leaf a stored tree and

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .._plan.walk import format_path
-from .checkpoint_checks import describe, has_elements, is_key, key_of, load_json
+from .checks import describe, has_elements, is_key, key_of, load_json
 
 CHECKSUMS = "offload_eqx_checksums.json"
 _CHECKSUM_DIFFERS = (

@@ -20,7 +20,7 @@ from .._plan.plan import Plan
 from .._plan.walk import format_path, is_array_leaf
 from .._sharding.memory_space import match_type
 from .._sharding.mesh import AnyMesh, put, typed
-from .checkpoint_checks import DIFFERENT_LEAF, EXTRA_LEAVES, MISSING_LEAF, describe
+from .checks import DIFFERENT_LEAF, EXTRA_LEAVES, MISSING_LEAF, describe
 
 _NOT_EQUINOX = (
     "{caller}: where `{path}` should start, the file holds {what}, not a NumPy array: it "

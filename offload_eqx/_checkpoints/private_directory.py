@@ -9,7 +9,7 @@ checkpoint there as `checkpoint`, then renames it to `<name>` in one step: a che
 is complete or absent. Of two saves racing for one path
 the first to finish wins; the other finds `<name>` taken, discards its own and raises. A
 save that fails for any reason, or whose caller is interrupted, removes its directory
-(once every writer has stopped: `checkpoint_writers`). A path Orbax cannot read back (one
+(once every writer has stopped: `writers`). A path Orbax cannot read back (one
 with `[` or `]`, which it globs, or `\\`, which TensorStore reads as a separator) is
 refused before anything is written, and so is a path that is not UTF-8 text (Orbax and
 TensorStore take no other).
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from .checkpoint_checks import private_prefix
+from .checks import private_prefix
 
 _LOST_RACE = (
     "{caller}: `{path}` appeared while this save was writing: another save given the "

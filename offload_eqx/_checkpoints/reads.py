@@ -23,7 +23,7 @@ import numpy as np
 
 from .._plan.walk import format_path, is_array_leaf
 from .._sharding.memory_space import match_type
-from .checkpoint_checks import (
+from .checks import (
     DATA_DAMAGED,
     DIFFERENT_LEAF,
     EXTRA_LEAVES,
@@ -40,7 +40,7 @@ from .checkpoint_checks import (
     key_of,
     load_json,
 )
-from .checkpoint_checksums import read_checksums
+from .checksums import read_checksums
 
 Key = tuple[str, ...]
 

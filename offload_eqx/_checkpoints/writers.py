@@ -35,7 +35,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .._plan.walk import format_path
-from .checkpoint_checks import has_elements
+from .checks import has_elements
 
 _DELETED_WHILE_SAVING = (
     "{caller}: `{path}` was deleted while this save of the checkpoint `{checkpoint}` was "
