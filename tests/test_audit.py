@@ -3,6 +3,8 @@
 Everything here traces on `jax.ShapeDtypeStruct`s (or small arrays) and runs nothing.
 """
 
+import pathlib
+
 import equinox as eqx
 import jax
 import jax.extend as jex
@@ -833,3 +835,23 @@ def test_jax_gives_a_fetch_and_its_transpose_one_traceback():
 
     collect(jax.make_jaxpr(jax.grad(loss))(host).jaxpr)
     assert len(found) == 2 and found[0] is not None and found[0] is found[1]
+
+
+def test_the_audit_guide_describes_every_row_it_can_print():
+    """Every kind a row can have has a row of the guide's table of kinds, and every
+    direction and phase is named there: a row of a kind the guide does not list
+    (`device-to-host input model.w`, the host update's weight decay reading a
+    device-resident weight) leaves a reader guessing what it costs."""
+    from typing import get_args
+
+    from offload_eqx._inspect.transfer_report import KINDS, Direction, Phase
+
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "audit.md").read_text()
+    missing = [f"kind {k}" for k in KINDS if f"| `{k}` |" not in guide]
+    missing += [f"`{w}`" for w in (*get_args(Direction), *get_args(Phase)) if f"`{w}`" not in guide]
+    assert not missing, missing
+
+
+def test_a_transfer_of_a_kind_the_guide_does_not_list_is_refused():
+    with pytest.raises(ValueError, match="kind 'weights'; expected one of 'parameter'"):
+        ox.Transfer("device-to-host", "weights", "model.w", (2,), "float32", 1, 8, "update", "")

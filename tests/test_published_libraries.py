@@ -17,11 +17,14 @@ abort the process (libtpu 0.0.42; `docs/limits.md`), so for the TPU its loss is
 compiled, not its gradient.
 """
 
+from typing import Any
+
 import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from published_libraries import PUBLISHED
 from test_real_models import (
@@ -33,6 +36,10 @@ from test_real_models import (
 )
 
 import offload_eqx as ox
+from offload_eqx._inspect.memory_report import compiled_report
+from offload_eqx._inspect.program_audit import audit_traced_for
+from offload_eqx._targets.deviceless import program_of_step
+from offload_eqx._targets.targets import get_target
 
 # Seconds on the project's 2-core machine: ESM2 14, Megalodon 21, diffrax 16; the default
 # run trains ESM2, `--full` all three.
@@ -184,3 +191,53 @@ def test_backsolve_adjoint_over_a_fetched_field_is_plain_equinox():
     assert memories(ours) == {"pinned_host"}
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+# -- ESM2 with the optimizer update on the host -------------------------------------------
+
+
+def _host_update_step(tx: Any):
+    """ESM2's training step with `tx` on the host (`update_on="host"`), and its
+    arguments: the layers in pinned_host, the final norm and logit head where the plan
+    leaves them (on the device)."""
+    case = PUBLISHED["esm2quinox"]
+    opt = ox.offload_optimizer(tx, update_on="host")
+
+    def train_step(model, opt_state, batch):
+        grads = eqx.filter_grad(lambda m: case.loss(m, None, batch, None)[0])(model)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    model = ox.place(case.make(jax.random.key(0))[0])
+    opt_state = ox.place(opt.init(eqx.filter(model, eqx.is_inexact_array)))
+    step = ox.filter_jit(train_step, donate="all")
+    return step, (model, opt_state, case.batch(jax.random.key(1)))
+
+
+def test_esm2_host_update_reads_the_device_weights_weight_decay_reads():
+    """AdamW's weight decay reads every weight: those the plan leaves on the device are
+    sent to the host update, once a step (`device-to-host input`, the audit guide's
+    kinds); plain Adam sends none of them."""
+    step, args = _host_update_step(optax.adamw(1e-3, weight_decay=0.1))
+    read = ox.audit(step, *args).select("d2h", kind="input")
+    assert {t.phase for t in read} == {"update"}, read
+    assert {t.what.split(".")[1] for t in read} == {"layer_norm", "logit_head"}, read
+    assert (len(read), sum(t.bytes for t in read)) == (8, 3588), read
+    step, args = _host_update_step(optax.adam(1e-3))
+    assert ox.audit(step, *args).select(kind="input") == []
+
+
+@pytest.mark.deviceless
+@pytest.mark.full  # 33 s: ESM2's training step compiled for the H100
+def test_esm2_host_update_is_one_host_call_per_group_of_parameters_on_the_h100():
+    """On XLA:GPU the host update is split into chained host calls, one per parameter,
+    merged in order while a call's results stay within the largest parameter's bytes
+    (`_host/split.py`): ESM2's 24 parameters make 6 calls, the three largest stacked
+    weights one each. XLA:GPU compiles each traced host computation as one call of its
+    own and merges none."""
+    step, args = _host_update_step(optax.adamw(1e-3, weight_decay=0.1))
+    parameters = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_inexact_array)))
+    report = audit_traced_for("cuda", step, args, {})[0]
+    traced = report.host_computations
+    _, compiled = compiled_report(program_of_step(step, args, {}), get_target("h100"), "step")
+    calls = compiled.as_text().count(" custom-call-start(")
+    assert (parameters, len(traced), calls) == (24, 6, 6), (parameters, traced, calls)

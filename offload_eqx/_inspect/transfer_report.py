@@ -18,6 +18,19 @@ from .._base.table import format_bytes, format_table
 
 Direction = Literal["host-to-device", "device-to-host"]
 Phase = Literal["forward", "backward", "update", "call"]
+# What a row can move: `Transfer` refuses any other kind, and the audit guide
+# (docs/guides/audit.md) says what each one is and what it costs.
+KINDS = (
+    "parameter",
+    "optimizer",
+    "activation",
+    "gradient",
+    "update",
+    "output",
+    "input",
+    "callback",
+    "intermediate",
+)
 
 _DIRECTIONS = {
     "host-to-device": "host-to-device",
@@ -33,7 +46,8 @@ class Transfer:
 
     - `direction`: `"host-to-device"` or `"device-to-host"`.
     - `kind`: what moves: `parameter`, `optimizer`, `activation`, `gradient`, `update`,
-        `output`, `input`, `callback` or `intermediate`.
+        `output`, `input` (an argument leaf the plan does not place: a batch, or a
+        device-resident weight the host update reads), `callback` or `intermediate`.
     - `what`: a leaf path (`model.layers.w1`), an activation name, or a description.
     - `shape`, `dtype`: of one transfer.
     - `count`: how many times it happens per call (the product of the trip counts of the
@@ -45,8 +59,7 @@ class Transfer:
     """
 
     direction: Direction
-    kind: str  # parameter, optimizer, activation, gradient, output, input, callback,
-    # intermediate
+    kind: str  # one of KINDS
     what: str  # a leaf path, an activation name, or a description
     shape: tuple[int, ...]
     dtype: str
@@ -55,6 +68,14 @@ class Transfer:
     phase: Phase
     where: str  # enclosing bodies, e.g. "scan[10] > remat"
     implicit: bool = False  # not asked for: JAX (or the caller) copies it behind your back
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"Transfer of `{self.what}` has kind {self.kind!r}; expected one of "
+                f"{', '.join(map(repr, KINDS))}. A new kind is added to `KINDS` and "
+                "described in the audit guide (docs/guides/audit.md)."
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
