@@ -6,7 +6,8 @@ with `INTERNAL: during context [end-of-post-layout_assignment]`, in plain JAX to
 step traced for it is refused before compiling, naming the leaves and the fix; the fixes
 (the outer block annotated, or the outer loop an `ox.scan`) compile, with one block's
 layers on the device at a time. The forward pass alone, and the CPU, compile the nested
-slices as they are; on the CPU training equals plain Equinox.
+slices as they are; on the CPU training equals plain Equinox. A `jax.lax.scan` over
+training steps around a differentiated scan of host layers is one level, and compiles.
 """
 
 import equinox as eqx
@@ -121,3 +122,31 @@ def test_cpu_training_of_nested_host_slices_equals_plain_equinox():
     trajectory, report, _ = offload_run(case, ox.offload_optimizer(optax.adam(1e-2)), "annotated")
     assert_same_trajectory(trajectory, reference, rtol=0.0)
     assert report.total("host-to-device", kind="parameter") > 0, report
+
+
+@pytest.mark.deviceless
+def test_h100_compiles_a_scan_over_training_steps_around_host_layers():
+    """The loop over training steps carries the host-resident layers, and each step's
+    gradient runs one scan backward: one level of slicing, which XLA:GPU compiles. Only
+    loops inside the differentiated function count."""
+    block = ox.annotate(make(jax.random.key(0)).blocks, lambda b: b.layers, memory="pinned_host")
+    block = jax.tree.map(lambda x: x[0], block)  # one block: its 3 stacked layers
+    opt = ox.offload_optimizer(optax.adam(1e-3))
+    opt_state = ox.place(opt.init(eqx.filter(block, eqx.is_inexact_array)))
+
+    @ox.filter_jit
+    def train(block, opt_state, batches):
+        params, static = eqx.partition(block, eqx.is_array)
+
+        def step(carry, x):
+            block = eqx.combine(carry[0], static)
+            grads = eqx.filter_grad(lambda b: jnp.mean(jax.vmap(b)(x) ** 2))(block)
+            block, opt_state = ox.update_and_apply(opt, grads, carry[1], block)
+            return (eqx.filter(block, eqx.is_array), opt_state), None
+
+        (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), batches)
+        return eqx.combine(params, static), opt_state
+
+    batches = jax.random.normal(jax.random.key(1), (2, BATCH, DIM))
+    report = ox.memory_report(train, ox.place(block), opt_state, batches, target="h100")
+    assert report.host["argument"] >= INNER * DIM * DIM * 4

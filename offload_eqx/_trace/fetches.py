@@ -157,16 +157,18 @@ def refuse_nested_slices(module: Any, labels: list) -> None:
 
 
 def _in_nested_loops(trace: Any) -> bool:
-    """Whether `trace` is nested in two loop bodies (scan, while) under a transformation
-    that differentiates the step."""
-    loops, differentiated = 0, False
+    """Whether `trace` is nested in two loop bodies (scan, while) that a transformation
+    differentiating the step encloses: the loops the gradient runs backward. Loops
+    outside it (a `jax.lax.scan` over training steps) only carry the leaves."""
+    loops = 0
     while trace is not None:
+        if type(trace).__name__ in _DIFFERENTIATING:
+            return loops >= 2
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
         kind = getattr(info, "traced_for", None) or ""
         loops += any(loop in kind for loop in _LOOPS)
-        differentiated = differentiated or type(trace).__name__ in _DIFFERENTIATING
         trace = getattr(trace, "parent_trace", None)
-    return loops >= 2 and differentiated
+    return False
 
 
 def _described(x: Any, keys: tuple, label: Any) -> str:
@@ -186,5 +188,5 @@ def _described(x: Any, keys: tuple, label: Any) -> str:
         and leaf.path.endswith(field)
     ]
     if not found:
-        return f"a leaf of shape {shape} (`{type(x).__name__}{format_keys(keys)}`)"
+        return f"the called module's leaf `{format_keys(keys)}` (shape {shape})"
     return " or ".join(f"`{leaf.path}` (shape {leaf.shape}, sliced to {shape})" for leaf in found)
