@@ -128,7 +128,7 @@ _NESTED_SLICES = (
 )
 # JAX's traces that differentiate what they trace: the gradient is what XLA:GPU fails on.
 _DIFFERENTIATING = ("JVPTrace", "LinearizeTrace")
-_LOOPS = ("scan", "while")
+_LOOPS = ("scan", "fori", "while")
 
 
 def refuse_nested_slices(module: Any, labels: list) -> None:
