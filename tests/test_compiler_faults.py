@@ -1,8 +1,10 @@
-"""Known XLA:GPU faults, caught in a target's compile (`offload_eqx/_targets/compiler_faults`,
-`docs/limits.md`, "Known compiler faults"): the reversed offsets of offloaded scan residuals
-(openxla/xla#46231, #46308), found from the compiled program, and the annotator's failed
-compile (openxla/xla#49299), said as our error. The deviceless tests compile with the
-installed release's own XLA:GPU: on jax 0.10.2 (affected by #46231) and 0.12.0.1 (fixed)."""
+"""Known XLA:GPU faults (`offload_eqx/_base/compiler_faults`, `docs/limits.md`, "Known
+compiler faults"): the reversed offsets of offloaded scan residuals (openxla/xla#46231,
+#46308), found from the compiled program, named quietly in a deviceless report
+(`MemoryReport.compiler_faults`) and refused by `ox.filter_jit` before a GPU run on an
+affected release; the annotator's failed compile (openxla/xla#49299), said as our error.
+The deviceless tests compile with the installed release's own XLA:GPU: on jax 0.10.2
+(affected by #46231) and 0.12.0.1 (fixed)."""
 
 import collections
 import warnings
@@ -12,17 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import seed_model
+from helpers import make_optimizer, make_step, scanned_model, seed_model
 
 import offload_eqx as ox
-from offload_eqx._targets import compile_memo, compiler_faults
-from offload_eqx._targets.compiler_faults import (
+from offload_eqx._base import compiler_faults as base_faults
+from offload_eqx._base.compiler_faults import (
+    FIX,
     REVERSED_OFFSET_RELEASES,
     CompilerFaultError,
-    CompilerFaultWarning,
 )
+from offload_eqx._base.hlo_slices import misannotated_host_slices
+from offload_eqx._jit import miscompiled
+from offload_eqx._targets import compile_memo, compiler_faults
 from offload_eqx._targets.deviceless import compile_for, program_of_step
-from offload_eqx._targets.hlo_slices import misannotated_host_slices
 from offload_eqx._targets.targets import get_target
 
 # The backward loop of an offloaded scan of 8 layers, as XLA:GPU compiles it (jaxlib 0.11.0,
@@ -110,60 +114,141 @@ def test_other_errors_and_other_targets_keep_xlas_error():
 
 def _offloaded_scan_compiled(monkeypatch, strategy: str = "offload_activations") -> str:
     """The seed model's gradient under `strategy`, compiled for the H100 anew (the memo of
-    compiled programs emptied: each test sees its own compile's warning)."""
+    compiled programs emptied), with every warning an error: the compile is quiet."""
     monkeypatch.setattr(compile_memo, "_compiled", collections.OrderedDict())
     model = seed_model(layers=8, width=64, hidden=128)
     x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
     step = ox.filter_jit(lambda m, x: eqx.filter_grad(lambda m: m(x).sum())(m), strategy=strategy)
     program = program_of_step(step, (model, x), {})
-    return compile_for(program, get_target("h100"), []).as_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return compile_for(program, get_target("h100"), []).as_text()
+
+
+RESIDUAL = "addresses bytes 57344, 49152, ... (step -8192)"  # 8 x f32[32,64], read at 7 - i
+WEIGHTS = "addresses bytes 229376, 196608, ... (step -32768)"  # 8 x f32[64,128]
 
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("strategy", ["offload_activations", "offload_params"])
 def test_the_installed_release_compiles_the_offloaded_scan_as_measured(monkeypatch, strategy):
     """0.10.2 and 0.11.0 annotate the backward loop's slices of host memory (the
-    residuals; the host-resident weights and their gradients) forward: a warning naming
-    the release and the fix. 0.11.1 and later annotate them backward: silence."""
-    release = compiler_faults.installed_release()
+    residuals; the host-resident weights and their gradients) forward: the checker finds
+    them in the compiled text, the report names them in `compiler_faults`, and nothing is
+    warned (the figures are right). 0.11.1 and later annotate them backward: no fault."""
+    text = _offloaded_scan_compiled(monkeypatch, strategy)
+    found = " ".join(str(slice_) for slice_ in misannotated_host_slices(text))
+    model, x = (
+        seed_model(layers=8, width=64, hidden=128),
+        jax.ShapeDtypeStruct((32, 64), jnp.float32),
+    )
+    step = ox.filter_jit(lambda m, x: eqx.filter_grad(lambda m: m(x).sum())(m), strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = ox.memory_report(step, model, x, target="h100")
+    release = base_faults.installed_release()
     if release in REVERSED_OFFSET_RELEASES:
-        with pytest.warns(CompilerFaultWarning) as caught:
-            _offloaded_scan_compiled(monkeypatch, strategy)
-        (message,) = [str(w.message) for w in caught if w.category is CompilerFaultWarning]
+        assert (RESIDUAL if strategy == "offload_activations" else WEIGHTS) in found
+        (message,) = report.compiler_faults
         assert f"XLA:GPU of jaxlib {release} miscompiles this program for target 'h100'" in message
-        residual = "addresses bytes 57344, 49152, ... (step -8192)"  # 8 x f32[32,64], read at 7 - i
-        weights = "addresses bytes 229376, 196608, ... (step -32768)"  # 8 x f32[64,128]
-        assert (residual if strategy == "offload_activations" else weights) in message
-        assert "openxla/xla#46231, fixed by openxla/xla#46308" in message
-        assert "install 0.11.1 or later" in message
+        assert "openxla/xla#46231, fixed by openxla/xla#46308" in message and FIX in message
+        assert report.as_dict()["compiler_faults"] == [message]
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", CompilerFaultWarning)
-            text = _offloaded_scan_compiled(monkeypatch, strategy)
+        assert found == "" and report.compiler_faults == ()
         assert '"byte_offset":"229376","byte_stride":"-32768"' in text  # weights, backward
         if strategy == "offload_activations":
             assert '"byte_offset":"57344","byte_stride":"-8192"' in text  # residuals, backward
 
 
+def _forward(text: str) -> str:
+    """A compiled program's backward residual read annotated forward, as 0.10.2 and 0.11.0
+    print it (the installed release's own text where it is fixed)."""
+    return text.replace(
+        '"byte_offset":"57344","byte_stride":"-8192"', '"byte_offset":"0","byte_stride":"8192"'
+    )
+
+
 @pytest.mark.deviceless
 def test_an_affected_release_is_named_with_the_fix(monkeypatch):
     """An affected release simulated on any: its name read from the version, its compiled
-    program the installed one's with the read annotated forward, as 0.11.0 prints it."""
-    with warnings.catch_warnings():  # on an affected release, its own compile warns too
-        warnings.simplefilter("ignore", CompilerFaultWarning)
-        text = _offloaded_scan_compiled(monkeypatch)
-    forward = text.replace(
-        '"byte_offset":"57344","byte_stride":"-8192"', '"byte_offset":"0","byte_stride":"8192"'
-    )
-    monkeypatch.setattr(compiler_faults, "installed_release", lambda: "0.11.0")
-    with pytest.warns(
-        CompilerFaultWarning, match=r"XLA:GPU of jaxlib 0\.11\.0 miscompiles"
-    ) as caught:
-        compiler_faults.warn_if_miscompiled(forward, get_target("h100"))
-    assert "0.11.1, 0.11.2, 0.12.0 and 0.12.0.1 do not" in str(caught[0].message)
-    with warnings.catch_warnings():  # the TPU's programs carry no such annotation
-        warnings.simplefilter("error", CompilerFaultWarning)
-        compiler_faults.warn_if_miscompiled(forward, get_target("tpu-v5p"))
+    program the installed one's with the read annotated forward."""
+    forward = _forward(_offloaded_scan_compiled(monkeypatch))
+
+    class Compiled:
+        def as_text(self):
+            return forward
+
+    monkeypatch.setattr(base_faults, "installed_release", lambda: "0.11.0")
+    (message,) = compiler_faults.faults_of(Compiled(), get_target("h100"))
+    assert "XLA:GPU of jaxlib 0.11.0 miscompiles this program for target 'h100'" in message
+    assert RESIDUAL in message and "0.11.1, 0.11.2, 0.12.0 and 0.12.0.1 do not" in message
+    # The TPU's programs carry no such annotation.
+    assert compiler_faults.faults_of(Compiled(), get_target("tpu-v5p")) == ()
+
+
+# -- ox.filter_jit on a GPU: a miscompiled step refused before it runs ---------------------
+
+
+def _training(monkeypatch, release: str, on_gpu: bool, found: list):
+    """A donating training step of an offloaded scan on this CPU, as if on a GPU
+    (`on_gpu`) with jaxlib `release`, whose compiled program the checker finds `found` in;
+    the compiled texts it was handed go into the returned list."""
+    monkeypatch.setattr(miscompiled, "runs_on_gpu", lambda device: on_gpu)
+    monkeypatch.setattr(miscompiled, "installed_release", lambda: release)
+    monkeypatch.setattr(base_faults, "installed_release", lambda: release)
+    checked: list[str] = []
+    monkeypatch.setattr(miscompiled, "reversed_offsets", lambda text: checked.append(text) or found)
+    model = scanned_model(jax.random.key(0), depth=4, width=16, hidden=32)
+    opt = make_optimizer()
+    step = make_step(opt, "offload_activations", donate="all")
+    return step, (model, opt.init(model), jnp.ones((8, 16))), checked
+
+
+@pytest.mark.deviceless
+def test_a_gpu_run_on_an_affected_release_is_refused_before_it_runs(monkeypatch):
+    """The checker fed the slices the floor's XLA:GPU really misannotates in this kind of
+    step (its deviceless H100 compile; on a fixed release, that text annotated forward)."""
+    text = _offloaded_scan_compiled(monkeypatch)
+    if base_faults.installed_release() not in REVERSED_OFFSET_RELEASES:
+        text = _forward(text)
+    found = misannotated_host_slices(text)
+    assert found
+    step, args, checked = _training(monkeypatch, "0.10.2", True, found)
+    with pytest.raises(CompilerFaultError) as error:
+        step(*args)
+    message = str(error.value)
+    assert message.startswith("ox.filter_jit(step) was not run (nothing ran, no argument")
+    assert "XLA:GPU of jaxlib 0.10.2 miscompiles this program for this machine's GPU" in message
+    assert RESIDUAL in message and "openxla/xla#46231, fixed by openxla/xla#46308" in message
+    assert f"`{FIX}`" in message and "ox.field(memory='device')" in message
+    assert "HloModule" in checked[0]  # the program compiled ahead, as it would have run
+    entry, _ = step.compilation(*args)
+    assert entry.donate_argnums  # the step donates: the arrays passed are still whole
+    leaves = jax.tree_util.tree_leaves(eqx.filter(args, eqx.is_array))
+    assert not any(leaf.is_deleted() for leaf in leaves)
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
+    with pytest.raises(CompilerFaultError):  # refused again, never run
+        step(*args)
+
+
+@pytest.mark.parametrize("release, on_gpu", [("0.11.1", True), ("0.10.2", False)])
+def test_a_fixed_release_or_another_platform_compiles_nothing_ahead(monkeypatch, release, on_gpu):
+    step, args, checked = _training(monkeypatch, release, on_gpu, ["a slice"])
+    entry, _ = step.compilation(*args)
+    assert type(entry.jitted) is type(jax.jit(len))  # JAX's own: nothing on the call path
+    model, state, loss = step(*args)
+    assert checked == [] and np.isfinite(loss)
+
+
+def test_a_program_that_passes_is_run_by_jit_itself_after_its_check(monkeypatch):
+    step, args, checked = _training(monkeypatch, "0.11.0", True, [])
+    entry, _ = step.compilation(*args)
+    assert type(entry.jitted) is miscompiled._CheckedAtFirstCall
+    model, state, loss = step(*args)
+    assert len(checked) == 1 and np.isfinite(loss)
+    assert type(entry.jitted) is type(jax.jit(len))  # later calls go straight to jit
+    step(model, state, args[2])
+    assert len(checked) == 1
 
 
 _TABLE = jnp.asarray(np.linspace(1.0, 0.0, 9), jnp.float32)

@@ -34,6 +34,7 @@ import numpy as np
 from .._base.table import format_bytes, format_table
 from .._jit.aot import refuse_ahead_of_time
 from .._jit.jit import FilterJit
+from .._targets.compiler_faults import faults_of
 from .._targets.deviceless import (
     FIELDS,
     Program,
@@ -77,6 +78,9 @@ class MemoryReport:
     program over the capacity, "Can't reduce memory use below ..." and the like).
     `notes` says what the bytes leave out: the workspace of cuDNN kernels (fused
     attention) compiled without a GPU, which cuDNN sizes only on one.
+    `compiler_faults` names the known faults of the installed XLA in this program, a
+    sentence each (empty when none): the figures stay right, but a GPU run of it would
+    not be (openxla/xla#46231 on jaxlib 0.10.2 and 0.11.0), and `ox.filter_jit` refuses it.
     `print` a report for a table; `as_dict()` for JSON.
     """
 
@@ -92,6 +96,8 @@ class MemoryReport:
     # What the bytes leave out (`workspaces.py`: cuDNN workspaces a deviceless compile
     # does not size), a sentence each; printed under the table.
     notes: tuple[str, ...] = ()
+    # Known faults of the installed XLA in this program (`_targets/compiler_faults`).
+    compiler_faults: tuple[str, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -138,6 +144,7 @@ class MemoryReport:
             "capacity": self.capacity,
             "fits": self.fits,
             "notes": list(self.notes),
+            "compiler_faults": list(self.compiler_faults),
         }
 
     def __str__(self) -> str:
@@ -242,6 +249,7 @@ def compiled_report(program: Program, target: Target, name: str) -> tuple[Memory
         capacity=target.capacity,
         compiler_log=tuple(log),
         notes=_notes(compiled, target),
+        compiler_faults=faults_of(compiled, target),
     )
     return report, compiled
 

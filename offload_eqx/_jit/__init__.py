@@ -3,7 +3,8 @@
 wrong around a call, each said in leaf paths: implicit transfers (`guard`:
 `ox.no_implicit_transfers`), host-resident leaves used outside a region (`host_use`),
 `eqx.error_if` raised from the call (`runtime_errors`), a failed call (`call_errors`),
-Ctrl-C held during donating calls (`interrupts`).
+Ctrl-C held during donating calls (`interrupts`), a step a known XLA:GPU fault
+miscompiles, refused before a GPU runs it (`miscompiled`).
 
 May import `_base` to `_arrays`.
 """

@@ -41,6 +41,7 @@ from .._sharding.memory_space import (
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
 from .host_use import complex_saved_error, is_host_use, locate_host_use, saves_complex
+from .miscompiled import refuse_miscompiled
 from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
@@ -339,7 +340,7 @@ def compile_entry(
         keep_unused=bool(donated),
         compiler_options=compiler_options(closed, platform),
     )
-    return Compilation(
+    entry = Compilation(
         jitted=jitted,
         flat=program,
         plan=plan,
@@ -355,6 +356,7 @@ def compile_entry(
         checks=checks_at_run_time(closed),
         donate=donate,
     )
+    return refuse_miscompiled(entry, caller)  # on a GPU with a release known to miscompile
 
 
 def _in_host(leaf: Any) -> bool:

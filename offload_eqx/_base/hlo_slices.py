@@ -7,8 +7,9 @@ emitted from that annotation. `misannotated_host_slices(text)` reads the compile
 text, evaluates each annotated slice of a host-memory buffer (`S(5)`) at the loop's first
 two iterations from the program itself (the loop's induction variable through scalar
 integer arithmetic, into the computation the slice sits in), and returns those whose
-annotation disagrees: the fault `compiler_faults` names. A slice whose offset it cannot
-evaluate here (another operation, a deeper call) is left out: no verdict, not a pass.
+annotation disagrees: the fault `compiler_faults` names (openxla/xla#46231). A slice
+whose offset it cannot evaluate here (another operation, a deeper call) is left out: no
+verdict, not a pass.
 """
 
 import dataclasses

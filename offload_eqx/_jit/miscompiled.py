@@ -1,0 +1,60 @@
+"""A step the installed XLA:GPU is known to miscompile, refused before it runs on a GPU.
+
+jaxlib 0.10.2 and 0.11.0 annotate the slices of host memory in a scan's backward loop
+with the forward walk (openxla/xla#46231, fixed by #46308): an offloaded scan's gradients
+come out wrong on a GPU, with no error. On such a release, an entry compiled for GPU
+devices is compiled ahead at its first call (`jitted.lower(...).compile()`: the call that
+follows reuses that executable, nothing is compiled twice), its program checked
+(`_base/compiler_faults`), and a miscompiled one refused with a `CompilerFaultError`
+before anything runs or any argument is donated. Elsewhere (a fixed release, the CPU, a
+TPU) the entry is left as compiled: nothing is added to any call.
+"""
+
+from typing import Any
+
+from .._base.compiler_faults import (
+    GPU_PLATFORMS,
+    CompilerFaultError,
+    has_reversed_offsets,
+    installed_release,
+    reversed_offsets,
+    reversed_offsets_message,
+)
+
+_REFUSED = (
+    "{caller} was not run (nothing ran, no argument was donated, the arrays passed are "
+    "intact): {fault}"
+)
+
+
+def runs_on_gpu(device: Any) -> bool:
+    """Whether the entry's devices (`device`, the plan's first) are GPUs."""
+    return device.platform in GPU_PLATFORMS
+
+
+def refuse_miscompiled(entry: Any, caller: str) -> Any:
+    """`entry` (a `Compilation`) with its first call checked on a GPU with a jaxlib
+    release known to miscompile offloaded scans; else `entry` untouched."""
+    if runs_on_gpu(entry.plan.device) and has_reversed_offsets(installed_release()):
+        entry.jitted = _CheckedAtFirstCall(entry, caller)
+    return entry
+
+
+class _CheckedAtFirstCall:
+    """The entry's `jax.jit`, compiled ahead and checked at its first call; once the
+    program passes, the entry calls the `jax.jit` itself again."""
+
+    def __init__(self, entry: Any, caller: str):
+        self.entry, self.jitted, self.caller = entry, entry.jitted, caller
+
+    def __call__(self, *dynamic: Any) -> Any:
+        compiled = self.jitted.lower(*dynamic).compile()
+        found = reversed_offsets(compiled.as_text() or "")
+        if found:
+            fault = reversed_offsets_message(found, "this machine's GPU")
+            raise CompilerFaultError(_REFUSED.format(caller=self.caller, fault=fault))
+        self.entry.jitted = self.jitted  # checked: later calls go straight to jit
+        return self.jitted(*dynamic)
+
+    def __getattr__(self, name: str) -> Any:  # `.lower`, `.trace` as the `jax.jit` has
+        return getattr(self.jitted, name)
