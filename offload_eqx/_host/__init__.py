@@ -12,7 +12,9 @@ call on XLA:GPU.
 - `calls`: binds a traced computation as one host call, or as a chain of them
   (`split`: one per group of results, so XLA:GPU holds one group's results beside the
   state), a large elementwise group a slice at a time (`chunks`), each slice's results
-  written over the donated state.
+  written over the donated state; the groups and slices are `groups`'s, the one slicing
+  driver, which the device update of `stream=None` (`_optimizer.whole_slices`) uses too,
+  each piece on the device.
 - `kernels`: our own C++ kernels (AdamW on float32 masters, XLA's arithmetic bit for
   bit), compiled when the package is installed, loaded only as built (`kernels.load`),
   registered with jaxlib's XLA:CPU and, once proven safe in a child process, with the

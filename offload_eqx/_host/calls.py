@@ -1,7 +1,8 @@
 """A traced host computation bound as host calls of the step (`host_compute.on_host`):
 one call (`bind`), or one per group of results, chained (`chained`, `host_split`), a
 large elementwise group computed a slice at a time (`host_chunks`), its results written
-over the operands they replace (`slots_of`)."""
+over the operands they replace (`slots_of`); the groups and slices are `groups`'s, each
+piece a host call here."""
 
 from collections.abc import Callable
 from typing import Any
@@ -13,12 +14,11 @@ from jax.core import ShapedArray
 
 from .._base.jax_private import compute_on_p, extend_compute_type
 from .._sharding.memory_space import is_host_typed, to_host
-from . import chunks as host_chunks
-from .chunks import chunk_count, slice_program
-from .split import group_program, result_groups
+from . import chunks as host_chunks, groups
+from .chunks import slice_program
 
 HOST = "device_host"
-# The name scope of a group's host calls computed in slices (`_in_slices`).
+# The name scope of a group's host calls computed in slices (`_trip`).
 SLICES_SCOPE = "ox_host_slices"
 # Under `slice_all`, the fewest slices a group is computed in (a loop of one trip would
 # be no loop: XLA removes it, and its results are copied into the state after the call).
@@ -70,52 +70,26 @@ def chained(
     """`jaxpr` as one host computation per group of results (`host_split`), each group's
     operands held back (`optimization_barrier`) until the group before has its results.
     With `sliced`, a group whose results exceed `host_chunks.CHUNK_BYTES` and that is
-    elementwise is computed a slice at a time (`_in_slices`), its results written into
-    the operands `slots` names for them (result index -> operand index). With
-    `slice_all`, every elementwise group is, in at least `LEAST_SLICES` slices."""
+    elementwise is computed a slice at a time (`groups`: each slice a host call), its
+    results written into the operands `slots` names for them (result index -> operand
+    index). With `slice_all`, every elementwise group is, in at least `LEAST_SLICES`
+    slices."""
     # Sliced, groups are merged only within a slice's bytes: a merged group mixes
     # parameters of several sizes, which cannot be sliced together.
     cap = 0 if slice_all else host_chunks.CHUNK_BYTES if sliced else None
-    groups = result_groups(jaxpr, cap=cap)
-    uses = [group_program(jaxpr, group)[1] for group in groups]
-    readers: dict[int, int] = {}  # operand -> the group that reads it
-    for number, used in enumerate(uses):
-        readers.update((i, number) for i, u in enumerate(used) if u)
-    outs: list = [None] * len(jaxpr.out_avals)
-    before: list = []
-    for number, group in enumerate(groups):
-        # Results of one element (Adam's count) are computed whole, before the slices.
-        rest = [j for j in group if _size(jaxpr.out_avals[j]) > 1]
-        program, used = group_program(jaxpr, rest or group)
-        chunks = chunk_count(program, _bound(program, slice_all)) if sliced and rest else 1
-        if chunks == 1:
-            if len(groups) == 1:
-                return bind(jaxpr, operands)
-            rest = []
-        whole = [j for j in group if j not in rest]
-        places = {
-            j: slots[j]
-            for j in rest
-            if j in slots
-            and readers.get(slots[j], number) == number
-            and _fits(operands[slots[j]], jaxpr.out_avals[j])
-        }
-        needed = sorted({i for i, u in enumerate(uses[number]) if u} | set(places.values()))
-        held = [operands[i] for i in needed]
-        if before:
-            held, _ = jax.lax.optimization_barrier((held, before))
-        ready = dict(zip(needed, held))
-        before = []
-        if whole:
-            small, small_used = group_program(jaxpr, whole)
-            before += bind(small, [ready[i] for i, u in enumerate(small_used) if u])
-        if rest:
-            reads = [i for i, u in enumerate(used) if u]
-            targets = [places.get(j) for j in rest]
-            before += _in_slices(program, reads, targets, ready, chunks, scope)
-        for index, result in zip(whole + rest, before):
-            outs[index] = result
-    return outs
+    planned = groups.plan(
+        jaxpr, cap, lambda program: _bound(program, slice_all) if sliced else None
+    )
+    if len(planned) == 1 and planned[0].chunks == 1:
+        return bind(jaxpr, operands)
+    where = groups.Where(
+        whole=bind,
+        trip=lambda program, chunks: _trip(program, chunks, scope),
+        fits=_fits,
+        fresh=lambda _, aval: _host_zeros(aval),
+        chained=True,
+    )
+    return groups.run(jaxpr, operands, planned, slots, where)
 
 
 def _bound(program: Any, slice_all: bool) -> int:
@@ -140,37 +114,21 @@ def _fits(operand: Any, aval: Any) -> bool:
     )
 
 
-def _in_slices(
-    program: Any, reads: list, targets: list, ready: dict, chunks: int, scope: str
-) -> list:
-    """`program` (closed, elementwise) computed in `chunks` slices of its flat element
-    order, in a loop: trip `k`'s host call reads slice `k` of its operands and returns the
-    results' slices, which are written into their buffers: the operand `targets[j]` (by
-    index into `ready`) whose old values the computation reads from that same buffer,
-    slice by slice, before writing it, or a fresh host buffer where `targets[j]` is None.
-    XLA:GPU places each host call's results in device memory and writes them back with a
-    kernel: slice by slice, the host holds no second copy of what the group replaces."""
+def _trip(program: Any, chunks: int, scope: str) -> Callable[..., list]:
+    """A trip of a group computed in slices: one host call that reads slice `k` of its
+    operands and returns the results' slices, which the loop writes into their buffers.
+    The operands are sliced inside the call, along their first axis, which its dynamic
+    slices read alone (a reshape inside it would read the whole operand, as XLA:CPU
+    compiles it). XLA:GPU places each host call's results in device memory and writes
+    them back with a kernel: slice by slice, the host holds no second copy of what the
+    group replaces."""
     run = slice_program(program, chunks)
-    avals = program.out_avals
-    init = [ready[t] if t is not None else _host_zeros(aval) for t, aval in zip(targets, avals)]
-    init = [jnp.reshape(x, (chunks, -1)) for x in init]
-    from_carry = {p: targets.index(i) for p, i in enumerate(reads) if i in targets}
-    # Sliced along their first axis, which the host call's dynamic slices read alone (a
-    # reshape inside it would read the whole operand, as XLA:CPU compiles it).
-    size = _size(avals[0])
-    given = [
-        jnp.reshape(ready[i], (chunks, -1)) if _size(jax.typeof(ready[i])) == size else ready[i]
-        for i in reads
-    ]
 
-    def body(k: Any, carry: list) -> list:
-        current = [carry[from_carry[p]] if p in from_carry else x for p, x in enumerate(given)]
+    def compute(k: Any, current: list) -> list:
         with jax.named_scope(SLICES_SCOPE), jax.named_scope(scope):
-            parts = _traced_bind(run, [to_host(k), *current])
-        return [jax.lax.dynamic_update_index_in_dim(c, r, k, 0) for c, r in zip(carry, parts)]
+            return _traced_bind(run, [to_host(k), *current])
 
-    final = jax.lax.fori_loop(0, chunks, body, init)
-    return [jnp.reshape(x, aval.shape) for x, aval in zip(final, avals)]
+    return compute
 
 
 def _traced_bind(fn: Callable[..., Any], operands: list) -> list:

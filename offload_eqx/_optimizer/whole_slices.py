@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import eval_jaxpr
 
+from .._host import groups
 from .._host.calls import device_aval
-from .._host.chunks import chunk_count, elements, slices_program
-from .._host.split import group_program, result_groups
+from .._host.chunks import elements, slices_program
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
 from .delayed import delayed_tx
@@ -170,42 +170,41 @@ def apply_in_slices(
 def _grouped(
     closed: Any, operands: list, slots: dict[int, int], to_host_memory: set[int]
 ) -> list | None:
-    """`closed`'s results computed group by group (None if no group is sliced): a sliced
-    result written over the operand `slots` names, or into a fresh buffer, in host memory
-    for those in `to_host_memory`."""
-    groups = result_groups(closed, cap=0)  # one parameter's results each
-    programs = []
-    for group in groups:
-        rest = [j for j in group if _size(closed.out_avals[j]) > 1]
-        program, used = group_program(closed, rest or group)
-        chunks = chunk_count(program, SLICE_BYTES) if rest else 1
-        programs.append((group, rest if chunks > 1 else [], program, used, chunks))
-    if all(chunks == 1 for *_, chunks in programs):
+    """`closed`'s results computed group by group (None if no group is sliced), each
+    piece on the device (`groups.run`): a sliced result written over the operand `slots`
+    names, or into a fresh buffer, in host memory for those in `to_host_memory`."""
+    planned = groups.plan(closed, 0, lambda _: SLICE_BYTES)  # one parameter's results each
+    if all(group.chunks == 1 for group in planned):
         return None
-    readers: dict[int, int] = {}  # operand -> the group that reads it
-    for number, (*_, used, _chunks) in enumerate(programs):
-        readers.update((i, number) for i, u in enumerate(used) if u)
-    outs: list = [None] * len(closed.out_avals)
-    for number, (group, rest, program, used, chunks) in enumerate(programs):
-        whole = [j for j in group if j not in rest]
-        if whole:
-            small, small_used = group_program(closed, whole)
-            reads = [to_device(x) for x, u in zip(operands, small_used) if u]
-            for j, result in zip(whole, eval_jaxpr(small.jaxpr, small.consts, *reads)):
-                outs[j] = result
-        if rest:
-            targets = [
-                slots[j]
-                if j in slots
-                and readers.get(slots[j], number) == number
-                and _fits(operands[slots[j]], closed.out_avals[j])
-                else ("host" if j in to_host_memory else None)
-                for j in rest
-            ]
-            results = _in_slices(program, used, operands, targets, chunks)
-            for j, result in zip(rest, results):
-                outs[j] = result
-    return outs
+    where = groups.Where(
+        whole=_whole,
+        trip=_trip,
+        fits=_fits,
+        fresh=lambda j, aval: _fresh(aval, j in to_host_memory),
+    )
+    return groups.run(closed, operands, planned, slots, where)
+
+
+def _whole(program: Any, reads: list) -> list:
+    """A group's results computed whole on the device, its operands fetched first."""
+    return eval_jaxpr(program.jaxpr, program.consts, *[to_device(x) for x in reads])
+
+
+def _trip(program: Any, chunks: int) -> Any:
+    """A trip of a group in slices: slice `k` of each operand of the group's size
+    (sliced in host memory, then fetched), the others fetched whole, computed on the
+    device."""
+    run = slices_program(program, chunks)
+    size = elements(program)
+
+    def compute(k: Any, current: list) -> list:
+        parts = [
+            to_device(jax.lax.dynamic_index_in_dim(x, k, keepdims=False) if _size(x) == size else x)
+            for x in current
+        ]
+        return run(*parts)
+
+    return compute
 
 
 def _fits(operand: Any, aval: Any) -> bool:
@@ -213,46 +212,9 @@ def _fits(operand: Any, aval: Any) -> bool:
     return operand.dtype == aval.dtype and _size(operand) == _size(aval)
 
 
-def _buffer(operands: list, target: Any, aval: Any) -> Any:
-    """Where a sliced result is written: the operand `target` indexes, or fresh zeros on
-    the device (None) or in host memory (`"host"`: zeros moved there, as JAX's own
-    offloading makes a host buffer, which XLA turns into a host allocation)."""
-    if isinstance(target, int):
-        return operands[target]
+def _fresh(aval: Any, host: bool) -> Any:
+    """A sliced result's buffer that replaces no operand: zeros on the device, or in host
+    memory (zeros moved there, as JAX's own offloading makes a host buffer, which XLA
+    turns into a host allocation)."""
     zeros = jnp.zeros(aval.shape, aval.dtype)
-    return to_host(zeros) if target == "host" else zeros
-
-
-def _in_slices(program: Any, used: list, operands: list, targets: list, chunks: int) -> list:
-    """`program` (closed, elementwise) in `chunks` slices of its flat element order: trip
-    `k` fetches slice `k` of each operand of the group's size (the others whole), computes
-    the results' slices on the device and writes each into its buffer, the operand
-    `targets[j]` (whose old slice `k` the trip has read) or a fresh one (in host memory
-    where `targets[j]` is `"host"`)."""
-    size = elements(program)
-    run = slices_program(program, chunks)
-    reads = [i for i, u in enumerate(used) if u]
-    avals = program.out_avals
-    init = [_buffer(operands, t, aval) for t, aval in zip(targets, avals)]
-    init = [jnp.reshape(x, (chunks, -1)) for x in init]
-    slots = [t if isinstance(t, int) else None for t in targets]
-    from_carry = {p: slots.index(i) for p, i in enumerate(reads) if i in slots}
-    sliced = [_size(operands[i]) == size for i in reads]
-    given = [
-        jnp.reshape(operands[i], (chunks, -1)) if s else operands[i] for i, s in zip(reads, sliced)
-    ]
-
-    def body(k: Any, carry: list) -> list:
-        current = [carry[from_carry[p]] if p in from_carry else x for p, x in enumerate(given)]
-        parts = [
-            to_device(jax.lax.dynamic_index_in_dim(x, k, keepdims=False) if s else x)
-            for x, s in zip(current, sliced)
-        ]
-        results = run(*parts)
-        return [
-            jax.lax.dynamic_update_index_in_dim(c, (to_host(r) if is_host_typed(c) else r), k, 0)
-            for c, r in zip(carry, results)
-        ]
-
-    final = jax.lax.fori_loop(0, chunks, body, init)
-    return [jnp.reshape(x, aval.shape) for x, aval in zip(final, avals)]
+    return to_host(zeros) if host else zeros
