@@ -23,7 +23,7 @@ from offload_eqx._base.compiler_faults import (
     REVERSED_OFFSET_RELEASES,
     CompilerFaultError,
 )
-from offload_eqx._base.hlo_slices import misannotated_host_slices
+from offload_eqx._base.hlo_slices import Misannotated, misannotated_host_slices
 from offload_eqx._jit import miscompiled
 from offload_eqx._targets import compile_memo, compiler_faults
 from offload_eqx._targets.deviceless import compile_for, program_of_step
@@ -149,6 +149,11 @@ def test_the_installed_release_compiles_the_offloaded_scan_as_measured(monkeypat
     release = base_faults.installed_release()
     if release in REVERSED_OFFSET_RELEASES:
         assert (RESIDUAL if strategy == "offload_activations" else WEIGHTS) in found
+        buffers = {slice_.buffer for slice_ in misannotated_host_slices(text)}
+        weights = {"f32[8,64,128]", "f32[8,128,64]"}  # w1, w2 and their gradients
+        assert (
+            buffers == {"f32[8,32,64]"} if strategy == "offload_activations" else buffers <= weights
+        )
         (message,) = report.compiler_faults
         assert f"XLA:GPU of jaxlib {release} miscompiles this program for target 'h100'" in message
         assert "openxla/xla#46231, fixed by openxla/xla#46308" in message and FIX in message
@@ -220,6 +225,7 @@ def test_a_gpu_run_on_an_affected_release_is_refused_before_it_runs(monkeypatch)
     assert message.startswith("ox.filter_jit(step) was not run (nothing ran, no argument")
     assert "XLA:GPU of jaxlib 0.10.2 miscompiles this program for this machine's GPU" in message
     assert RESIDUAL in message and "openxla/xla#46231, fixed by openxla/xla#46308" in message
+    assert "it would walk the wrong way: `f32[8,32,64]` (an offloaded activation)." in message
     assert f"`{FIX}`" in message and "ox.field(memory='device')" in message
     assert "HloModule" in checked[0]  # the program compiled ahead, as it would have run
     entry, _ = step.compilation(*args)
@@ -229,6 +235,21 @@ def test_a_gpu_run_on_an_affected_release_is_refused_before_it_runs(monkeypatch)
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
     with pytest.raises(CompilerFaultError):  # refused again, never run
         step(*args)
+
+
+def test_the_refusal_names_the_host_leaves_of_each_buffer():
+    model = seed_model(layers=8, width=64, hidden=128)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    step = ox.filter_jit(
+        lambda m, x: eqx.filter_grad(lambda m: m(x).sum())(m), strategy="offload_params"
+    )
+    found = [
+        Misannotated(name, "while.19", (0, 0), (0, 0), buffer)
+        for name, buffer in [("a", "f32[8,128,64]"), ("b", "f32[8,32,64]"), ("c", "f32[8,128,64]")]
+    ]
+    assert miscompiled.host_buffers(found, step.plan(model, x).leaves) == (
+        "`f32[8,128,64]` (`m.layers.w2` (or its gradient)); `f32[8,32,64]` (an offloaded activation)"
+    )
 
 
 @pytest.mark.parametrize("release, on_gpu", [("0.11.1", True), ("0.10.2", False)])

@@ -60,6 +60,7 @@ class Misannotated:
     loop: str
     offsets: tuple[int, int]  # bytes at the first two iterations, as the program computes
     annotated: tuple[int, int]  # bytes at the first two iterations, as annotated
+    buffer: str = ""  # the host buffer's type, `f32[8,128,64]`
 
     def __str__(self) -> str:
         (o0, o1), (a0, a1) = self.offsets, self.annotated
@@ -307,5 +308,7 @@ def misannotated_host_slices(text: str) -> list[Misannotated]:
             marks = (annotated[0], annotated[0] + annotated[1])
             # Either reading (unclamped or clamped to the buffer) may be the annotated one.
             if marks[0] not in first or marks[1] not in second:
-                found.append(Misannotated(slice_.name, loop, (first[0], second[0]), marks))
+                buffer = module[computation][slice_.operands[0]].shape.split("{")[0]
+                offsets = (first[0], second[0])
+                found.append(Misannotated(slice_.name, loop, offsets, marks, buffer))
     return found

@@ -10,7 +10,10 @@ before anything runs or any argument is donated. Elsewhere (a fixed release, the
 TPU) the entry is left as compiled: nothing is added to any call.
 """
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .._base.compiler_faults import (
     GPU_PLATFORMS,
@@ -23,8 +26,11 @@ from .._base.compiler_faults import (
 
 _REFUSED = (
     "{caller} was not run (nothing ran, no argument was donated, the arrays passed are "
-    "intact): {fault}"
+    "intact). The host buffers it would walk the wrong way: {buffers}. {fault}"
 )
+# HLO's names of the element types a leaf can have.
+_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+_HLO_TYPES |= {"int32": "s32", "int64": "s64", "int8": "s8", "uint8": "u8", "uint32": "u32"}
 
 
 def runs_on_gpu(device: Any) -> bool:
@@ -52,9 +58,32 @@ class _CheckedAtFirstCall:
         found = reversed_offsets(compiled.as_text() or "")
         if found:
             fault = reversed_offsets_message(found, "this machine's GPU")
-            raise CompilerFaultError(_REFUSED.format(caller=self.caller, fault=fault))
+            buffers = host_buffers(found, self.entry.plan.leaves)
+            message = _REFUSED.format(caller=self.caller, buffers=buffers, fault=fault)
+            raise CompilerFaultError(message)
         self.entry.jitted = self.jitted  # checked: later calls go straight to jit
         return self.jitted(*dynamic)
 
     def __getattr__(self, name: str) -> Any:  # `.lower`, `.trace` as the `jax.jit` has
         return getattr(self.jitted, name)
+
+
+def _hlo_type(leaf: Any) -> str:
+    element = _HLO_TYPES.get(np.dtype(leaf.dtype).name, np.dtype(leaf.dtype).name)
+    return f"{element}[{','.join(map(str, leaf.shape))}]"
+
+
+def host_buffers(found: Sequence[Any], leaves: Sequence[Any]) -> str:
+    """Each host buffer the misannotated slices `found` walk, with the host-resident
+    argument leaves of its type (the leaf or its gradient); one no argument has is an
+    offloaded activation."""
+    by_type: dict[str, list[str]] = {}
+    for leaf in leaves:
+        if leaf.memory == "pinned_host":
+            by_type.setdefault(_hlo_type(leaf), []).append(f"`{leaf.path}`")
+    described = []
+    for buffer in dict.fromkeys(slice_.buffer for slice_ in found):
+        paths = by_type.get(buffer)
+        what = " or ".join(paths) + " (or its gradient)" if paths else "an offloaded activation"
+        described.append(f"`{buffer}` ({what})")
+    return "; ".join(described)
