@@ -84,3 +84,73 @@ def test_fit_skips_a_candidate_that_would_save_a_complex_value_saying_why():
     assert all(c.strategy.params == "pinned_host" for c in refused)
     assert result.strategy.params == "device" or result.strategy.activations == "remat"
     assert "cannot save a complex value" in result.table()
+
+
+class _Two(eqx.Module):
+    """Two named activations in one region (shapes no other test compiles: every plan
+    is new to this process, so each goes to the child)."""
+
+    ws: jax.Array = ox.field(memory="device")
+    activations: ox.Activations = ox.activations(a0="save", a1="save")
+
+    def __call__(self, x):
+        def body(x):
+            for i in range(2):
+                x = ox.name(jnp.tanh(x @ self.ws[i]), f"a{i}")
+            return x
+
+        return ox.checkpoint(body, x)
+
+
+@pytest.mark.deviceless
+def test_a_candidate_whose_compile_aborts_xla_is_reported_and_the_others_searched(
+    tmp_path, monkeypatch
+):
+    """An XLA `CHECK` failure in one candidate's deviceless compile aborted the process
+    running `ox.fit`. Candidates are compiled in a child process; the test hook makes
+    the child abort (`os.abort()`, as a `CHECK` does) on the next compile, which is the
+    first candidate's (the count's best plan)."""
+    from offload_eqx._targets import isolated
+
+    flag = tmp_path / "abort-next-compile"
+    flag.touch()
+    monkeypatch.setenv("OFFLOAD_EQX_TEST_ABORT_COMPILE", str(flag))
+    isolated.close_child()  # the next child reads the environment
+    model = _Two(jax.ShapeDtypeStruct((2, 192, 192), jnp.float32))  # pyright: ignore[reportArgumentType]
+    x = jax.ShapeDtypeStruct((48, 192), jnp.float32)
+
+    @ox.filter_jit
+    def step(model, x):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
+
+    result = ox.fit(step, model, x, target="h100", max_compiles=6)
+    assert not flag.exists()  # the hook fired
+    (aborted,) = [c for c in result.candidates if c.status.startswith("XLA aborted")]
+    assert aborted.status.startswith("XLA aborted compiling this plan: F0000 ")
+    assert "Check failed: OFFLOAD_EQX_TEST_ABORT_COMPILE" in aborted.status
+    assert "(the compiling process ended with signal 6)" in aborted.status
+    assert aborted.device_bytes is None and aborted.strategy != result.strategy
+    # The others were compiled (by a new child) and the best of them returned.
+    simulated = [c.simulated_seconds for c in result.candidates if c.simulated_seconds]
+    assert len(simulated) >= 2
+    (best,) = [c for c in result.candidates if c.status == "best"]
+    assert best.simulated_seconds is not None
+    assert best.simulated_seconds <= min(simulated) * 1.005
+    assert aborted.seconds <= best.seconds  # the abort cost the count's best plan
+    assert "XLA aborted" in result.table()
+
+
+def test_an_abort_is_said_by_xlas_fatal_line():
+    from offload_eqx._targets.isolated import _last_words
+
+    log = (
+        "W1207 21:03:10.000001 7 gpu_compiler.cc:12] slow\n"
+        "F1207 21:03:11.123456 7 host_offloader.cc:812] Check failed: shape.has_layout()\n"
+        "*** Check failure stack trace: ***\n    @ 0x7f 0xdead\n"
+    )
+    said = _last_words(log, -6)
+    assert said.startswith("F1207 21:03:11.123456 7 host_offloader.cc:812] Check failed")
+    assert "stack trace" not in said and said.endswith("ended with signal 6)")
+    assert _last_words("one\ntwo\nthree\nfour\n", 1) == (
+        "two | three | four (the compiling process ended with exit status 1)"
+    )

@@ -103,6 +103,12 @@ backend_factories: Any = _lookup(
 )
 # The concrete class of `jax.Array` (an exact type test on the per-call path).
 ArrayImpl: Any = _lookup(("jax._src.array:ArrayImpl",), "the concrete jax.Array")
+# The last step of every `jax.jit` compile, `backend_compile_and_load(backend, module,
+# executable_devices, options, host_callbacks)`: where JAX hands the XLA client the
+# lowered module and its compile options. `ox.fit` takes them there to compile them in
+# a child process (`_targets.isolated`); no public API gives a lowering's options.
+_lookup(("jax._src.compiler:backend_compile_and_load",), "the compile's call of XLA")
+_compiler: Any = importlib.import_module("jax._src.compiler")
 # What JAX logs when a callback raises (logger and message), kept off the terminal.
 CALLBACK_LOGGER = "jax._src.callback"
 CALLBACK_FAILED = "jax.pure_callback failed"
@@ -142,6 +148,18 @@ def context_mesh_set(mesh: Any) -> Iterator[None]:
         yield
     finally:
         _device_context.set_local(previous)
+
+
+@contextlib.contextmanager
+def compile_calls_replaced(replace: Any) -> Iterator[None]:
+    """Inside, JAX's compiles call `replace(original)` (a function with the signature of
+    `backend_compile_and_load`) instead of `backend_compile_and_load` itself."""
+    original = _compiler.backend_compile_and_load
+    _compiler.backend_compile_and_load = replace(original)
+    try:
+        yield
+    finally:
+        _compiler.backend_compile_and_load = original
 
 
 def cuda_plugin_api() -> Any:

@@ -44,6 +44,7 @@ from .._base.options import checks_options
 from .._base.progress import reporting
 from .._jit.jit import step_of
 from .._targets.devices import require_compiler
+from .._targets.isolated import isolating
 from .._targets.targets import get_target
 from .order import check_by_simulation, compile_in_order
 from .price import find_space, price
@@ -118,7 +119,9 @@ def fit(
         raise ValueError(_NO_BUDGET.format(target=resolved.name))
     wrapper = step_of(step, "ox.fit")
     started = time.perf_counter()
-    with reporting("ox.fit", progress) as report:
+    # Each plan not compiled before is compiled in a child process: an XLA abort on one
+    # is that plan's answer, not the end of this process (`isolated`).
+    with reporting("ox.fit", progress) as report, isolating(resolved):
         search = Search(wrapper, args, kwargs, resolved, budget, 0, max_compiles, report)
         # 1. The candidates, priced by composition from a few traces (`price`). The first
         #    trace checks the call, before the CPU's speeds are measured.

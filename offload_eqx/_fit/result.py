@@ -213,7 +213,7 @@ def explain(search: Search, space: Space) -> ValueError:
     failed = [
         f"\n  {row.label}: {row.status}"
         for row in search.rows.values()
-        if row.status.startswith(("does not fit", "compile failed"))
+        if row.status.startswith(("does not fit", "compile failed", "XLA aborted"))
     ]
     skipped = sum("crashed the compiler" in row.status for row in search.rows.values())
     if skipped:

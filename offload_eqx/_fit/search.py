@@ -31,6 +31,7 @@ from .._planning.traced_time import (
     trace_costs,
 )
 from .._targets.deviceless import program_of_step
+from .._targets.isolated import CompileAborted
 from .._targets.targets import Speeds, Target
 from .space import Candidate, Choice, NamedValue
 
@@ -320,6 +321,9 @@ class Search:
         try:
             program = program_of_step(self.wrapper(choice), self.args, dict(self.kwargs))
             report, compiled = compiled_report(program, self.target, label)
+        except CompileAborted as error:  # XLA ended the child that compiled it
+            self.crashed.setdefault(choice.placement, []).append("XLA aborted")
+            return self._row(choice, row(status=str(error)))
         except Exception as error:
             if not is_out_of_memory(error):
                 # A compiler crash on one plan (XLA:TPU crashes on some host-resident

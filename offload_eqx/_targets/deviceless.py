@@ -45,6 +45,7 @@ from .._sharding.mesh import AnyMesh, resolve_mesh
 from .callbacks import lower_callbacks_as_zeros_in_deviceless_gpu_compiles
 from .compile_memo import compile_once
 from .devices import mesh_on_target, target_mesh, trace_on_target, uses_abstract_mesh
+from .isolated import in_child
 from .targets import Target
 
 # The fields of XLA's `memory_analysis()`, each in device and in host memory.
@@ -330,7 +331,7 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
     if abstract_mesh:
         flat = _evaluated_here(flat, context_mesh())
 
-    def compile_with(out_shardings: list | None) -> Any:
+    def compile_with(out_shardings: list | None, isolate: bool = True) -> Any:
         xla_options = compiler_options(traced.jaxpr, target.platform)
         donated = program.donated_on(target.platform, traced.jaxpr)
         options: dict[str, Any] = {
@@ -342,6 +343,8 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
             options["out_shardings"] = out_shardings
         jitted = jax.jit(flat, in_shardings=in_shardings, **options)
         lowered = jitted.trace(*abstract).lower()
+        if isolate:  # in a child process while `ox.fit` searches (`isolated`)
+            lowered = in_child(lowered, target)
         return compile_once(lowered, target, xla_options, compiler_log, log)
 
     context = jax.set_mesh(mesh) if abstract_mesh else contextlib.nullcontext()
@@ -359,7 +362,8 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
         specs = program.out_specs(out_avals) if program.out_specs else [None] * len(out_avals)
         traced_memories = ["pinned_host" if is_host_aval(a) else "device" for a in out_avals]
         if any(s is None and m != t for s, m, t in zip(specs, out_memories, traced_memories)):
-            chosen = compile_with(None).output_shardings
+            # Compiled here: only JAX's `Compiled` tells the shardings XLA chose.
+            chosen = compile_with(None, isolate=False).output_shardings
             specs = [
                 s if s is not None or m == t else getattr(c, "spec", PartitionSpec())
                 for s, m, t, c in zip(specs, out_memories, traced_memories, chosen)
