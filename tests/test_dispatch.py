@@ -375,3 +375,52 @@ def test_a_module_as_the_function_takes_the_fast_path_with_its_own_arrays():
     assert len(one.cache.fast) == 1
     assert one.compilations == 1
     assert not np.allclose(one(x), two(x))
+
+
+class Named(eqx.Module):
+    """A module with a static leaf that is a string: equal strings made apart are equal
+    keys of the compile cache, not the same object."""
+
+    w: jax.Array
+    name: str
+
+    def __call__(self, x):
+        return x * self.w
+
+
+def test_equal_static_leaves_take_the_fast_path(monkeypatch):
+    """The fast path compared each static leaf by identity: a static equal to the one
+    of the cached call but made apart (a name read from a config, a string joined
+    afresh) took the whole path every call, key built and looked up, to find the same
+    program. It compares them as the key does now (issue 66, item 11)."""
+    from offload_eqx._jit import dispatch
+
+    whole_path = []
+    real = dispatch._dispatch
+    monkeypatch.setattr(
+        dispatch, "_dispatch", lambda *a, **k: whole_path.append(1) or real(*a, **k)
+    )
+    step = ox.filter_jit(lambda model, x: model(x))
+    x = jnp.ones(3)
+    step(Named(jnp.ones(3), "".join(["la", "yer"])), x)  # compiles; the fast path learns it
+    assert len(whole_path) == 1
+    model = Named(jnp.ones(3) + 1, "".join(["la", "yer"]))  # an equal name, another object
+    np.testing.assert_allclose(step(model, x), 2 * np.ones(3))
+    assert len(whole_path) == 1, "an equal static leaf left the fast path"
+    np.testing.assert_allclose(step(Named(jnp.ones(3), "other"), x), np.ones(3))
+    assert len(whole_path) == 2  # another value: the whole path, which compiles it
+    assert step.compilations == 2
+
+
+def test_the_fast_path_reads_the_options_it_branches_on_from_the_cache():
+    """Each read of a field of the wrapper (an `eqx.Module`) costs about a microsecond
+    of a call; the per-call path read three. It reads the cache alone, which holds the
+    options it branches on, pickled with it."""
+    import pickle
+
+    audited = ox.filter_jit(lambda x: x + 1, audit=True)
+    module = ox.filter_jit(Scaled(jnp.eye(2)))
+    assert (audited.cache.audit, audited.cache.fn_has_arrays) == (True, False)
+    assert (module.cache.audit, module.cache.fn_has_arrays) == (False, True)
+    restored = pickle.loads(pickle.dumps(module.cache))
+    assert (restored.audit, restored.fn_has_arrays) == (False, True)

@@ -29,7 +29,11 @@ class Cache:
     function's: compiled programs hold devices, which cannot be copied. A pickled wrapper
     comes back with an empty cache (programs are not pickled) and compiles again."""
 
-    def __init__(self):
+    def __init__(self, audit: bool = False, fn_has_arrays: bool = False):
+        # What every wrapper sharing this cache was made with, read here by the per-call
+        # path (`dispatch.call`): one read of the wrapper, the cache, is all it makes.
+        self.audit = audit  # the audit wrappers' calls never take the fast path
+        self.fn_has_arrays = fn_has_arrays  # the fast path flattens `(fn, args)`
         # key -> its entry, or, once several types were seen, {types: entry}
         self.entries: dict[Any, Any] = {}
         # The per-call fast path (`dispatch.call`): for a structure (the treedef of
@@ -77,10 +81,10 @@ class Cache:
         return self
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"audit": self.audit, "fn_has_arrays": self.fn_has_arrays}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(**state)
         _ALL.add(self)  # emptied by `clear_caches` like every other
 
 
@@ -122,9 +126,10 @@ def user_function(fn: Any) -> Any:
     return fn
 
 
-def cache_of(fn: Any, fn_has_arrays: bool, options: tuple) -> Cache:
+def cache_of(fn: Any, fn_has_arrays: bool, options: tuple, audit: bool) -> Cache:
     """The cache shared by every wrapper of `fn` (or of a function equal to it) made with
-    `options`. A wrapper of an unhashable function gets a cache of its own."""
+    `options` (`audit` among them). A wrapper of an unhashable function gets a cache of
+    its own."""
     root = user_function(fn)
     weak = type(root) is types.FunctionType
     # Where `fn` has arrays, they are arguments: its static part is in every entry's key.
@@ -137,11 +142,11 @@ def cache_of(fn: Any, fn_has_arrays: bool, options: tuple) -> Cache:
         own = (treedef, tuple(leaves))
     try:
         table = _BY_FUNCTION.setdefault(root, {}) if weak else _OTHERS
-        cache = table.get((options, own))
+        cache = table.get((options, own, fn_has_arrays))
         if cache is None:
-            cache = table[options, own] = Cache()
+            cache = table[options, own, fn_has_arrays] = Cache(audit, fn_has_arrays)
     except TypeError:  # an unhashable function or option: nothing to share
-        cache = Cache()
+        cache = Cache(audit, fn_has_arrays)
     _ALL.add(cache)
     return cache
 

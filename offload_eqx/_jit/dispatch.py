@@ -13,7 +13,7 @@ inputs keeps its outputs reachable until they are returned, even through Ctrl-C.
 import contextlib
 import warnings
 from collections.abc import Iterator
-from operator import is_, itemgetter
+from operator import itemgetter
 from typing import Any
 
 import equinox as eqx
@@ -75,19 +75,24 @@ def bind(signature: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """`FilterJit.__call__` itself (one Python frame a call)."""
     try:
-        if kwargs or _get(self, "audit"):
+        # The wrapper is read once (each read of an `eqx.Module`'s field costs as much
+        # as a dictionary lookup of the structure): its cache holds the options the
+        # per-call path branches on.
+        cache = _get(self, "cache")
+        if kwargs or cache.audit:
             return _dispatch_whole(self, args, kwargs)
-        # The fast path: a structure called before, with the very static leaves of that
-        # call and concrete arrays, runs its program (`Cache.fast`). Every test runs in
-        # C (`map`, `itemgetter`) and nothing else is called: the wrapper's own cost is
+        # The fast path: a structure called before, with the static leaves of that call
+        # (or equal ones, which the whole path's key would find too) and concrete
+        # arrays, runs its program (`Cache.fast`). Every test runs in C (`itemgetter`,
+        # tuple equality, `map`) and nothing else is called: the wrapper's own cost is
         # these lines. Anything it cannot take goes the whole path before the program
         # runs, with this flatten.
-        fn_has_arrays = _get(self, "fn_has_arrays")
+        fn_has_arrays = cache.fn_has_arrays
         leaves, treedef = _flatten((_get(self, "fn"), args) if fn_has_arrays else args)
-        hit = _get(self, "cache").fast.get(treedef)
+        hit = cache.fast.get(treedef)
         if hit is not None:
             pick_arrays, pick_statics, statics, jitted, rebuild = hit
-            if all(map(is_, pick_statics(leaves), statics)):
+            if pick_statics(leaves) == statics:
                 dynamic = pick_arrays(leaves)
                 if _CONCRETE.issuperset(map(type, dynamic)):
                     try:

@@ -442,6 +442,8 @@ def filter_jit(
         donate_on_error=bool(donate_on_error),
         fn_has_arrays=has_arrays,
         signature=signature,
-        cache=cache_of(fn, has_arrays, (strategy, donate, mesh, audit, bool(donate_on_error))),
+        cache=cache_of(
+            fn, has_arrays, (strategy, donate, mesh, audit, bool(donate_on_error)), audit
+        ),
     )
     return eqx.module_update_wrapper(wrapper)
