@@ -235,6 +235,11 @@ def test_a_gpu_run_on_an_affected_release_is_refused_before_it_runs(monkeypatch)
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
     with pytest.raises(CompilerFaultError):  # refused again, never run
         step(*args)
+    compiled = step.lower(*args).compile()  # compiled ahead by hand: inspected, not run
+    assert "HloModule" in compiled.as_text()
+    with pytest.raises(CompilerFaultError, match=r"ox.filter_jit\(step\) was not run"):
+        compiled(*args)
+    assert not any(leaf.is_deleted() for leaf in leaves)
 
 
 def test_the_refusal_names_the_host_leaves_of_each_buffer():
@@ -258,6 +263,8 @@ def test_a_fixed_release_or_another_platform_compiles_nothing_ahead(monkeypatch,
     entry, _ = step.compilation(*args)
     assert type(entry.jitted) is type(jax.jit(len))  # JAX's own: nothing on the call path
     model, state, loss = step(*args)
+    assert checked == [] and np.isfinite(loss)
+    model, state, loss = step.lower(model, state, args[2]).compile()(model, state, args[2])
     assert checked == [] and np.isfinite(loss)
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import jax
 
+from .._base.compiler_faults import CompilerFaultError
 from .call_errors import donated_problem
+from .miscompiled import affected, refusal
 
 _OTHER_CALL = (
     "{caller}: this compiled step was lowered for other arguments: {detail}. Lower and "
@@ -50,7 +52,9 @@ class Compiled:
     """What `Lowered.compile()` returns: the compiled program, called like the step.
 
     Like the step, it refuses arguments a donating call consumed (deleted), naming
-    them, before the program runs (XLA would say "Invalid buffer passed to Execute()")."""
+    them, before the program runs (XLA would say "Invalid buffer passed to Execute()"),
+    and a program the installed XLA:GPU is known to miscompile (`miscompiled`): it can
+    be inspected, not run."""
 
     def __init__(self, compiled: jax.stages.Compiled, lowered: "Lowered"):
         self.compiled = compiled
@@ -58,8 +62,13 @@ class Compiled:
         self._split = lowered._split  # (args, kwargs) -> (key, types, array leaves)
         self._caller = lowered._caller
         self._step = lowered._step
+        self._refused = (
+            refusal(compiled, self._entry, self._caller) if affected(self._entry) else None
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._refused is not None:
+            raise CompilerFaultError(self._refused)
         key, types, dynamic = self._split(args, kwargs)
         expected_key, expected_types = self._entry.key, self._entry.types
         if key != expected_key:

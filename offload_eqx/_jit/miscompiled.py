@@ -7,7 +7,9 @@ devices is compiled ahead at its first call (`jitted.lower(...).compile()`: the 
 follows reuses that executable, nothing is compiled twice), its program checked
 (`_base/compiler_faults`), and a miscompiled one refused with a `CompilerFaultError`
 before anything runs or any argument is donated. Elsewhere (a fixed release, the CPU, a
-TPU) the entry is left as compiled: nothing is added to any call.
+TPU) the entry is left as compiled: nothing is added to any call. A step compiled ahead
+by the user (`step.lower(...).compile()`, `aot`) is checked when compiled and refused when
+called.
 """
 
 from collections.abc import Sequence
@@ -38,12 +40,28 @@ def runs_on_gpu(device: Any) -> bool:
     return device.platform in GPU_PLATFORMS
 
 
+def affected(entry: Any) -> bool:
+    """Whether `entry` (a `Compilation`) runs on GPUs with a jaxlib release known to
+    miscompile offloaded scans: its program is checked before it runs."""
+    return runs_on_gpu(entry.plan.device) and has_reversed_offsets(installed_release())
+
+
 def refuse_miscompiled(entry: Any, caller: str) -> Any:
-    """`entry` (a `Compilation`) with its first call checked on a GPU with a jaxlib
-    release known to miscompile offloaded scans; else `entry` untouched."""
-    if runs_on_gpu(entry.plan.device) and has_reversed_offsets(installed_release()):
+    """`entry` with its first call checked where it is `affected`; else untouched."""
+    if affected(entry):
         entry.jitted = _CheckedAtFirstCall(entry, caller)
     return entry
+
+
+def refusal(compiled: Any, entry: Any, caller: str) -> str | None:
+    """Why the program `compiled` for `entry` must not run (the fault, the host buffers
+    it walks the wrong way, the fix); None when its slices of host memory are right."""
+    found = reversed_offsets(compiled.as_text() or "")
+    if not found:
+        return None
+    fault = reversed_offsets_message(found, "this machine's GPU")
+    buffers = host_buffers(found, entry.plan.leaves)
+    return _REFUSED.format(caller=caller, buffers=buffers, fault=fault)
 
 
 class _CheckedAtFirstCall:
@@ -54,13 +72,9 @@ class _CheckedAtFirstCall:
         self.entry, self.jitted, self.caller = entry, entry.jitted, caller
 
     def __call__(self, *dynamic: Any) -> Any:
-        compiled = self.jitted.lower(*dynamic).compile()
-        found = reversed_offsets(compiled.as_text() or "")
-        if found:
-            fault = reversed_offsets_message(found, "this machine's GPU")
-            buffers = host_buffers(found, self.entry.plan.leaves)
-            message = _REFUSED.format(caller=self.caller, buffers=buffers, fault=fault)
-            raise CompilerFaultError(message)
+        refused = refusal(self.jitted.lower(*dynamic).compile(), self.entry, self.caller)
+        if refused is not None:
+            raise CompilerFaultError(refused)
         self.entry.jitted = self.jitted  # checked: later calls go straight to jit
         return self.jitted(*dynamic)
 
