@@ -58,7 +58,7 @@ def compile_once(
     else:
         caught: list[str] = []
         with capture(caught), _kept_out_of_the_persistent_cache_if_deviceless(target):
-            compiled = compile_checked(lowered, target)  # known XLA:GPU faults named
+            compiled = compile_checked(lowered, target)  # openxla/xla#49299 in our words
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)
