@@ -7,7 +7,12 @@ So the candidates are timed in rounds: in each round every candidate is timed on
 (interleaved, in an order rotated each round, so drift in the machine's load hits all of
 them alike), each round gives its own ratios, and the report is the median ratio over the
 rounds, beside every round's ratio, and the ratio of each candidate's fastest sample (the
-steadiest on a shared machine: other work only adds time).
+steadiest on a shared machine: other work only adds time). Beside wall time, each round
+times the calling thread's CPU time (`time.thread_time`): the wrapper's own work, which
+the other processes of a loaded machine do not stretch as they stretch the wall clock
+(the program itself runs on XLA's threads); the load average is printed with them.
+`dispatch_instructions.py` counts the instructions of a call instead, which load does not
+change at all.
 
 Candidates, all computing `model(x)`:
 - `ox.filter_jit(forward)(model, x)`, `eqx.filter_jit(forward)(model, x)`: the model as an
@@ -43,16 +48,20 @@ RATIOS = {
 }
 
 
-def _microseconds_per_call(fn: Callable, args: tuple, calls: int, repeats: int) -> list[float]:
-    """The mean time of `calls` back-to-back calls, `repeats` times."""
-    samples = []
+def _microseconds_per_call(
+    fn: Callable, args: tuple, calls: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """The mean wall time and calling-thread CPU time of `calls` back-to-back calls,
+    `repeats` times."""
+    wall, thread = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return samples
+        wall.append((time.perf_counter() - start) / calls * 1e6)
+        thread.append((time.thread_time() - start_cpu) / calls * 1e6)
+    return wall, thread
 
 
 def candidates() -> dict[str, tuple[Callable, tuple]]:
@@ -92,20 +101,20 @@ def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
         timed[name] = (fn, args)
     names = list(timed)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     fastest = {name: float("inf") for name in names}
+    loads = [os.getloadavg()[0]]
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             fn, args = timed[name]
-            samples = _microseconds_per_call(fn, args, calls, repeats)
+            samples, thread = _microseconds_per_call(fn, args, calls, repeats)
             times[name].append(float(np.median(samples)))
+            cpu[name].append(float(np.median(thread)))
             fastest[name] = min(fastest[name], *samples)
-    ratios: dict[str, list[float] | None] = {
-        label: [a / b for a, b in zip(times[top], times[bottom])]
-        if top in times and bottom in times
-        else None
-        for label, (top, bottom) in RATIOS.items()
-    }
+        loads.append(os.getloadavg()[0])
+    ratios = _ratios(times)
+    cpu_ratios = _ratios(cpu)
     return {
         "rounds": rounds,
         "calls": calls,
@@ -123,8 +132,25 @@ def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
             label: fastest[top] / fastest[bottom] if top in fastest and bottom in fastest else None
             for label, (top, bottom) in RATIOS.items()
         },
+        "thread_microseconds": cpu,
+        "thread_ratios": cpu_ratios,
+        "median_thread_ratios": {
+            label: None if r is None else float(np.median(r)) for label, r in cpu_ratios.items()
+        },
+        # The 1-minute load average before the first round and after each.
+        "load": [min(loads), max(loads)],
         "failed": failed,
         "versions": {"jax": jax.__version__, "equinox": eqx.__version__},
+    }
+
+
+def _ratios(times: dict[str, list[float]]) -> dict[str, list[float] | None]:
+    """Each reported ratio, round by round (None where a candidate failed)."""
+    return {
+        label: [a / b for a, b in zip(times[top], times[bottom])]
+        if top in times and bottom in times
+        else None
+        for label, (top, bottom) in RATIOS.items()
     }
 
 
@@ -141,6 +167,14 @@ def report(result: dict[str, Any]) -> str:
             continue
         each = " ".join(f"{r:>6.2f}" for r in values)
         lines.append(f"{label:<28} {result['median_ratios'][label]:>8.2f}  {each}")
+    thread = ", ".join(
+        f"{label} {value:.2f}"
+        for label, value in result["median_thread_ratios"].items()
+        if value is not None
+    )
+    lines.append(f"median ratios of the calling thread's CPU time: {thread}")
+    low, high = result["load"]
+    lines.append(f"load average (1 min) during the rounds: {low:.2f}-{high:.2f}")
     fastest = ", ".join(
         f"{label} {value:.2f}"
         for label, value in result["fastest_ratios"].items()
