@@ -234,7 +234,7 @@ def test_a_streamed_global_transform_sees_the_gradients_in_the_masters_dtype():
     _assert_equal_to_reference(model, state, jax.tree_util.tree_map(np.asarray, reference))
 
 
-STREAMS = {
+STREAMS: dict[str, dict[str, Any]] = {
     "leaf": {"stream": "leaf"},
     "leaf_sliced": {"stream": "leaf"},  # each weight in slices of 4 KiB (32 per weight)
     "layer": {"stream": "layer", "layers": 3},
@@ -270,7 +270,7 @@ def test_streams_write_the_whole_updates_masters_bit_for_bit(name, monkeypatch):
     clipped = name == "layer_clipped"
     model = to_bf16(scanned_model(jax.random.key(0), depth=3, width=64, hidden=128))
     params = eqx.filter(model, eqx.is_array)
-    extra = {"global_transform": optax.clip_by_global_norm(1e-3)} if clipped else {}
+    extra: dict[str, Any] = {"global_transform": optax.clip_by_global_norm(1e-3)} if clipped else {}
     opt = ox.offload_optimizer(optax.adamw(LR), master_dtype=jnp.float32, **STREAMS[name], **extra)
     state = opt.init(ox.place(model, "annotated"))
     step = ox.filter_jit(

@@ -4,6 +4,7 @@ under `stream=None` (`whole_slices`) and `stream="leaf"` (`slices`). The same tr
 plain optax, and never more device memory than keeping everything on the device."""
 
 import os
+import re
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +16,7 @@ import pytest
 
 import offload_eqx as ox
 from offload_eqx._inspect.memory_report import compiled_report, program_of_step
-from offload_eqx._optimizer import slices, whole_slices
+from offload_eqx._optimizer import slices
 from offload_eqx._optimizer.fused_adamw import optax_only
 from offload_eqx._optimizer.slices import Slices, weight_slices
 from offload_eqx._targets.targets import get_target
@@ -24,7 +25,6 @@ from offload_eqx._targets.targets import get_target
 @pytest.fixture
 def small_slices(monkeypatch):
     """Slices of a few hundred bytes, so that small test weights are sliced."""
-    monkeypatch.setattr(whole_slices, "SLICE_BYTES", 512)
     monkeypatch.setattr(slices, "SLICE_BYTES", 512)
 
 
@@ -122,27 +122,48 @@ def test_large_weights_are_not_sliced_by_default():
     assert _loops(_step(opt, fused=True), model, opt.init(model), x) == 0
 
 
+ADAM = 12  # bytes of results an element of Adam's update of a float32 weight: u, mu, nu
+
+
 def _cut(shape, sharded=()) -> Slices:
-    cut = weight_slices(shape, 4, sharded)
+    cut = weight_slices(shape, ADAM, sharded)
     assert cut is not None, shape
     return cut
 
 
 def test_weight_slices_choose_a_free_axis_and_a_divisor():
-    mib = 2**20
-    assert weight_slices((512, 512), 4, ()) is None  # 1 MiB: whole
+    assert weight_slices((512, 512), ADAM, ()) is None  # 3 MiB of results: whole
     cut = _cut((2048, 2048))
-    assert cut == Slices(axis=0, size=512, count=4, squeeze=False)  # 4 MiB a slice
-    assert cut.count * cut.size == 2048 and 2048 * cut.size * 4 <= slices.SLICE_BYTES
+    assert cut == Slices(axis=0, size=256, count=8, squeeze=False)  # 6 MiB of results a trip
+    assert cut.count * cut.size == 2048 and 2048 * cut.size * ADAM <= slices.SLICE_BYTES
     # An axis the mesh shards is never cut.
     assert _cut((2048, 2048), (True, False)).axis == 1
-    assert weight_slices((2048, 2048), 4, (True, True)) is None
+    assert weight_slices((2048, 2048), ADAM, (True, True)) is None
     # A prime first axis: the second is cut.
     assert _cut((4099, 1024)).axis == 1
     # No divisor reaches the target: the most slices up to MAX_SLICES.
-    big = weight_slices((4099, 4099), 4, ())
+    big = weight_slices((4099, 4099), ADAM, ())
     assert big is None or big.count <= slices.MAX_SLICES
-    assert _cut((65536, 1024)).size * 1024 * 4 <= 4 * mib
+    assert _cut((32768, 1024)).size * 1024 * ADAM <= slices.SLICE_BYTES
+
+
+def _trips(opt) -> list[int]:
+    """The trip counts of the loops (`fori_loop` as `scan`) in one update of a 2048 x 2048
+    float32 weight."""
+    model = eqx.nn.Linear(2048, 2048, use_bias=False, key=jax.random.key(0))
+    x = jnp.ones((4, 2048))
+    closed, _, _ = eqx.filter_make_jaxpr(_step(opt, fused=False))(model, opt.init(model), x)
+    return [int(n) for n in re.findall(r"length=(\d+)", str(closed))]
+
+
+def test_a_stream_and_stream_none_slice_a_weight_by_one_rule():
+    """One rule for every device update in slices: a trip computes at most
+    `slices.SLICE_BYTES` of results. Adam's update of a 2048 x 2048 float32 weight (the
+    update and both moments: 48 MiB) runs in 8 trips of 6 MiB under `stream=None` and
+    `stream="leaf"` alike (a stream cut it by 4 MiB of each state leaf: 4 trips of 12 MiB,
+    where `stream=None` made 8)."""
+    for stream in (None, "leaf"):
+        assert _trips(ox.offload_optimizer(optax.adam(1e-3), stream=stream)) == [8], stream
 
 
 def _memory_step(opt, fused: bool):
@@ -280,7 +301,7 @@ def test_delayed_and_master_updates_in_slices_equal_them_whole(monkeypatch, dela
     model, x = _mlp(), jax.random.normal(jax.random.key(2), (4, 16))
 
     def train(slice_bytes: int) -> Any:
-        monkeypatch.setattr(whole_slices, "SLICE_BYTES", slice_bytes)
+        monkeypatch.setattr(slices, "SLICE_BYTES", slice_bytes)
         # On this CPU masters are updated by the host kernel, one call for every leaf
         # (not split by parameter); a GPU's device update is optax's, as here.
         with optax_only():

@@ -63,7 +63,9 @@ from .state import is_none
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _OPTAX_ONLY = contextvars.ContextVar("offload_eqx_optax_only", default=False)
-_WHOLE = contextvars.ContextVar("offload_eqx_whole_update", default=None)
+_WHOLE: contextvars.ContextVar[tuple[bool, bool] | None] = contextvars.ContextVar(
+    "offload_eqx_whole_update", default=None
+)
 
 
 @contextlib.contextmanager

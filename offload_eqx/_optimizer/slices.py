@@ -22,9 +22,12 @@ import numpy as np
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan, argument_path
 
-# A weight's slices: at most 4 MiB of each of its state leaves at a time, and at most 64
-# trips of the loop (each trip is a few copies; on an H100 a copy costs ~10 us to start).
-SLICE_BYTES = 4 * 2**20
+# The one rule of every device update in slices (a stream's weight here, a group of
+# `stream=None` in `whole_slices`): one trip computes at most this many bytes of results
+# (a slice of the update or of the new parameter, and of the new state), and reads about
+# as much again (the slices of its operands). At most 64 trips of a weight's loop (each
+# trip is a few copies; on an H100 a copy costs ~10 us to start).
+SLICE_BYTES = 8 * 2**20
 MAX_SLICES = 64
 
 
@@ -66,10 +69,11 @@ def layer_slices(layers: int) -> Slices:
 
 
 def weight_slices(shape: tuple, itemsize: int, sharded: tuple[bool, ...]) -> Slices | None:
-    """The slices of a leaf of `shape` whose state leaves have at most `itemsize` bytes an
-    element, cut along an axis not `sharded` (one flag per axis): the fewest slices of at
-    most `SLICE_BYTES`, or else the most that divide an axis up to `MAX_SLICES`; None for a
-    leaf of at most `SLICE_BYTES` (updated whole) or one no free axis can cut."""
+    """The slices of a leaf of `shape` whose update's results (the update or the new
+    value, and the new state) take `itemsize` bytes an element, cut along an axis not
+    `sharded` (one flag per axis): the fewest whose results are at most `SLICE_BYTES`, or
+    else the most that divide an axis up to `MAX_SLICES`; None for a leaf whose results
+    are at most `SLICE_BYTES` (updated whole) or one no free axis can cut."""
     nbytes = math.prod(shape) * itemsize
     if nbytes <= SLICE_BYTES:
         return None

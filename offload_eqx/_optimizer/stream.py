@@ -8,8 +8,9 @@ gradients' global norm), so the whole state (Adam: twice the parameters) is on t
 device at once, and the new state's device buffers stay live until their copies back at
 the end of the step. Device temp *rises* (h100, the tutorial's DIM 7168: 1.53 -> 2.68
 GiB). A stream takes the global part as `global_transform`, applied once, and streams
-the rest. A weight over `slices.SLICE_BYTES` whose transformation is elementwise is
-updated in slices of itself (`slices.weight_slices`), in the loop below.
+the rest. A weight whose update's results exceed `slices.SLICE_BYTES` (the rule of
+`stream=None`'s slices too) and whose transformation is elementwise is updated in slices
+of itself (`slices.weight_slices`), in the loop below.
 
 `stream="leaf"` runs each parameter's update inside its own `jax.lax.cond`. The branch
 fetches that parameter's state, updates it and sends the new state back to host memory;
@@ -324,8 +325,12 @@ class StreamedUpdate:
         if is_stacked(grad, self.layers):
             return layer_slices(np.shape(grad)[0])
         arrays = [x for x in jax.tree_util.tree_leaves(leaf_state) if eqx.is_array(x)]
-        itemsize = max(jnp.dtype(x.dtype).itemsize for x in [grad, *arrays])
-        cut = weight_slices(np.shape(grad), itemsize, sharded_axes(grad, leaf_state, param))
+        # The loop's results an element: the update (or the new value), at most as wide
+        # as the widest operand, and each state leaf of the weight's shape.
+        out = max(jnp.dtype(x.dtype).itemsize for x in [grad, *arrays])
+        state = sum(jnp.dtype(x.dtype).itemsize for x in arrays if x.shape == grad.shape)
+        sharded = sharded_axes(grad, leaf_state, param)
+        cut = weight_slices(np.shape(grad), out + state, sharded)
         return cut if cut is not None and self._elementwise(grad) else None
 
     def _elementwise(self, grad: Any) -> bool:

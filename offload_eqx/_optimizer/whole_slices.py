@@ -8,15 +8,17 @@ on one 2048 x 2048 float32 weight in host memory that is six copies of the weigh
 (96.5 MiB for the step, deviceless h100) where keeping everything on the device updates
 three in place (65.0 MiB).
 
-Here the update is traced once on the whole tree (optax's own update: its results are
-the definition's) and split as the host update is (`host_split.result_groups`): into
-groups of results that read the same large operands, one parameter's gradient, state and
-value. A group that is elementwise (`host_chunks`: Adam, AdamW, SGD, Lion are) and whose
-results exceed `SLICE_BYTES` runs in a `fori_loop` over slices of its flat element order:
-a trip fetches its slice of the state (and parameter), computes it, and writes the new
-state's slice over the old one where it lives (host memory, in place: the state is
-donated) and the update's slice over the gradient. The device then holds the gradients,
-which the backward pass left there, and one slice. Other groups (a bias, a
+Here the update is traced once on the whole tree (where the leaves' sizes allow a group
+to be sliced: `_may_slice`; optax's own update: its results are the definition's) and
+split as the host update is (`host_split.result_groups`): into groups of results that
+read the same large operands, one parameter's gradient, state and value. A group that is
+elementwise (`host_chunks`: Adam, AdamW, SGD, Lion are) and whose results exceed
+`slices.SLICE_BYTES` (the one rule of the device update's slices, streams included) runs
+in a `fori_loop` over slices of its flat element order (`_host.groups`, each piece on
+the device): a trip fetches its slice of the state (and parameter), computes it, and
+writes the new state's slice over the old one where it lives (host memory, in place: the
+state is donated) and the update's slice over the gradient. The device then holds the
+gradients, which the backward pass left there, and one slice. Other groups (a bias, a
 transformation that is not elementwise) are computed whole, after their operands are
 fetched; a transformation that couples all parameters (`clip_by_global_norm` in the
 chain) makes one group, and the update stays whole. On a mesh of several devices it
@@ -36,6 +38,7 @@ from .._host.calls import device_aval
 from .._host.chunks import elements, slices_program
 from .._sharding.memory_space import is_host_typed, to_device, to_host
 from .._trace.state import active_plan
+from . import slices
 from .delayed import delayed_tx
 from .masters import step_values, value_writer
 from .state import (
@@ -50,10 +53,6 @@ from .state import (
     shapes,
     trainable,
 )
-
-# A group's results are computed in slices of at most this many bytes (each trip also
-# holds the slices of its operands: about twice as much on the device).
-SLICE_BYTES = 8 * 2**20
 
 
 def _size(x: Any) -> int:
@@ -123,7 +122,7 @@ def update_in_slices(
 
 
 def _may_slice(grads: Any, state: Any) -> bool:
-    """Whether some group's results may exceed `SLICE_BYTES`, from the leaves' sizes alone
+    """Whether some group's results may exceed `slices.SLICE_BYTES`, from the leaves' sizes alone
     (before the update is traced): a sliced group's results all have its gradient's
     number of elements, so they are at most the gradients and state leaves of that number
     of elements, an update counted at 8 bytes an element (the widest it can be)."""
@@ -133,7 +132,7 @@ def _may_slice(grads: Any, state: Any) -> bool:
     for x in jax.tree_util.tree_leaves(state):
         if eqx.is_array(x) and _size(x) in held:
             held[_size(x)] += _size(x) * jnp.dtype(x.dtype).itemsize
-    return any(size > 1 and nbytes > SLICE_BYTES for size, nbytes in held.items())
+    return any(size > 1 and nbytes > slices.SLICE_BYTES for size, nbytes in held.items())
 
 
 def in_slices_applies(inner: Any) -> bool:
@@ -173,7 +172,7 @@ def _grouped(
     """`closed`'s results computed group by group (None if no group is sliced), each
     piece on the device (`groups.run`): a sliced result written over the operand `slots`
     names, or into a fresh buffer, in host memory for those in `to_host_memory`."""
-    planned = groups.plan(closed, 0, lambda _: SLICE_BYTES)  # one parameter's results each
+    planned = groups.plan(closed, 0, lambda _: slices.SLICE_BYTES)  # one parameter's results each
     if all(group.chunks == 1 for group in planned):
         return None
     where = groups.Where(
