@@ -5,6 +5,7 @@ the compiler (issue 66, items 8 and 9)."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import offload_eqx as ox
@@ -154,3 +155,68 @@ def test_an_abort_is_said_by_xlas_fatal_line():
     assert _last_words("one\ntwo\nthree\nfour\n", 1) == (
         "two | three | four (the compiling process ended with exit status 1)"
     )
+
+
+class _Layer(eqx.Module):
+    w: jax.Array = ox.field(memory="pinned_host")
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w)
+
+
+class _Layers(eqx.Module):
+    layers: _Layer
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x)
+
+
+def _host_update_program():
+    """A step whose AdamW update (float32 masters) runs on the GPU's host as our fused
+    kernel, compiled for the H100 in a child: its program and the target."""
+    from offload_eqx._host.kernels import gpu_host
+    from offload_eqx._targets.deviceless import program_of_step
+
+    if gpu_host.target("adamw") is None:
+        pytest.skip(f"the fused kernel is not usable here: {gpu_host.host_kernels()}")
+    opt = ox.offload_optimizer(optax.adamw(1e-4), update_on="host", master_dtype=jnp.float32)
+
+    def train_step(model, opt_state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+        return ox.update_and_apply(opt, grads, opt_state, model)
+
+    model = _Layers(_Layer(jax.ShapeDtypeStruct((2, 160, 160), jnp.bfloat16)))  # pyright: ignore[reportArgumentType]
+    wide = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), model)
+    state = eqx.filter_eval_shape(opt.init, wide)
+    x = jax.ShapeDtypeStruct((16, 160), jnp.bfloat16)
+    strategy = ox.Strategy("s", "pinned_host", "pinned_host", "remat", update="host")
+    step = ox.filter_jit(train_step, strategy=strategy, donate="all")
+    return program_of_step(step, (model, state, x), {})
+
+
+@pytest.mark.deviceless
+def test_a_real_xla_abort_in_the_child_is_the_plans_answer(monkeypatch):
+    """XLA:GPU's host compiler aborts (a `CHECK`: "No FFI handler registered") on a
+    kernel not registered in the process that compiles. The child registers the kernels
+    a program calls, as the parent did; made to forget, it aborts, and the parent gets
+    `CompileAborted` with XLA's fatal line, and lives."""
+    from offload_eqx._targets import compile_memo, isolated
+    from offload_eqx._targets.deviceless import compile_for
+    from offload_eqx._targets.targets import get_target
+
+    target = get_target("h100")
+    program = _host_update_program()
+    compile_memo._compiled.clear()
+    with isolated.isolating(target):
+        compiled = compile_for(program, target, [])  # registered in the child: compiles
+    assert isinstance(compiled, isolated.Compiled)
+    assert "offload_eqx_adamw" in compiled.as_text()
+    compile_memo._compiled.clear()
+    monkeypatch.setattr(isolated, "_kernels_called", lambda module, target: [])
+    isolated.close_child()  # a child that has not registered it
+    with isolated.isolating(target), pytest.raises(isolated.CompileAborted) as error:
+        compile_for(program, target, [])
+    message = str(error.value)
+    assert message.startswith("XLA aborted compiling this plan: F")
+    assert "No FFI handler registered for offload_eqx_adamw" in message
+    assert message.endswith("(the compiling process ended with signal 6)")

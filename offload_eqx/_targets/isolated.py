@@ -36,17 +36,17 @@ import tempfile
 import threading
 import types
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.interpreters import mlir
 
 from .._base.jax_private import compile_calls_replaced
+from .._host.kernels import load
 from .devices import _config_text, attached_devices
 from .targets import Target
 
-_CHILD = Path(__file__).with_name("isolated_child.py")
+_CHILD = f"{__package__}.isolated_child"
 # A line of XLA's C++ log that ends the process ("F1207 21:03:11.123 123 file.cc:42] ...").
 _FATAL = re.compile(r"^F\d{4} ")
 _ABORTED = "XLA aborted compiling this plan: {why}"
@@ -135,6 +135,7 @@ def compile_lowered(lowered: Any, target: Target, **options: Any) -> Any:
         "options": handed.options,
         "devices": handed.devices,
         "topology": _topology(target),
+        "kernels": _kernels_called(handed.module, target),
     }
     with _asking:
         answer, log = _worker().ask(request)
@@ -179,6 +180,14 @@ def _handed(lowered: Any, options: dict[str, Any]) -> Any:
         return handed
 
 
+def _kernels_called(module: bytes, target: Target) -> list[str]:
+    """offload_eqx's host kernels a GPU program calls (their custom-call targets are
+    strings of its bytecode): the child registers them as this process did."""
+    if target.platform != "cuda":
+        return []
+    return [name for name in load.host_kernels() if load.target_name(name).encode() in module]
+
+
 def _topology(target: Target) -> dict[str, Any]:
     """The arguments of `get_topology_desc` that make `target`'s devices
     (`devices._devices` makes them so here)."""
@@ -202,7 +211,7 @@ class _Child:
         self.log = tempfile.TemporaryFile()
         # libtpu takes a machine-wide lock unless told that several processes may load it.
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-        self.command = [sys.executable, "-P", str(_CHILD)]
+        self.command = [sys.executable, "-P", "-m", _CHILD]
         self.process = subprocess.Popen(
             self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
         )

@@ -1,6 +1,7 @@
 """The child process that compiles `ox.fit`'s candidate plans (`isolated`): run as
-`python -P <this file>`, it imports JAX and nothing of offload_eqx (its start is JAX's
-import, about 2 s), then answers requests on its standard input until that closes.
+`python -P -m offload_eqx._targets.isolated_child`, it imports JAX and offload_eqx (its
+start, about 2-3 s, is theirs), then answers requests on its standard input until that
+closes.
 
 A request is a pickled dict: the module (MLIR bytecode), the compile options
 (`CompileOptions.SerializeAsString()`), the ids of the devices compiled for and the
@@ -11,11 +12,17 @@ pickled dict: the memory analysis's fields and the compiled HLO text, or the err
 raised (its type's name and message). An abort of XLA (a `CHECK` failure) ends this
 process, which is the parent's answer: its standard error holds XLA's last words.
 
+A GPU program whose host computation calls one of offload_eqx's kernels names it in
+the request (`kernels`): the CUDA plugin's host compiler finds a kernel only where it is
+registered in the process that compiles (`_host.kernels.gpu_host`), so the child
+registers it as the parent did (the proof's verdict is read from the cache the parent
+wrote) before compiling.
+
 Test hook: where the environment names a file in `OFFLOAD_EQX_TEST_ABORT_COMPILE` and
 that file exists, the next compile removes it and aborts this process (`os.abort()`),
 as an XLA `CHECK` failure would (`tests/test_fit_faults.py`).
 
-Only public modules of JAX and jaxlib are used: `jax.interpreters.mlir`
+Of JAX and jaxlib, only public modules are used here: `jax.interpreters.mlir`
 (`make_ir_context`, `ir`), `jaxlib.xla_client` (`CompileOptions`, `DeviceList`).
 """
 
@@ -28,6 +35,8 @@ import jax
 from jax.experimental import topologies
 from jax.interpreters import mlir
 from jaxlib import xla_client
+
+from .._host.kernels import gpu_host
 
 ABORT_HOOK = "OFFLOAD_EQX_TEST_ABORT_COMPILE"
 
@@ -77,6 +86,8 @@ def _compile(request: dict[str, Any]) -> dict[str, Any]:
     devices = _devices(request["topology"])
     chosen = [next(d for d in devices if d.id == i) for i in request["devices"]]
     options = xla_client.CompileOptions.ParseFromString(request["options"])
+    for kernel in request.get("kernels", ()):
+        gpu_host.target(kernel)  # registered with the CUDA plugin's host compiler
     _aborted_if_asked()
     with mlir.make_ir_context():
         module = mlir.ir.Module.parse(request["module"])
