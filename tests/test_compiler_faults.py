@@ -8,6 +8,7 @@ The deviceless tests compile with the installed release's own XLA:GPU: on jax 0.
 
 import collections
 import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -203,7 +204,7 @@ def _training(monkeypatch, release: str, on_gpu: bool, found: list):
     monkeypatch.setattr(base_faults, "installed_release", lambda: release)
     checked: list[str] = []
     monkeypatch.setattr(miscompiled, "reversed_offsets", lambda text: checked.append(text) or found)
-    model = scanned_model(jax.random.key(0), depth=4, width=16, hidden=32)
+    model: Any = scanned_model(jax.random.key(0), depth=4, width=16, hidden=32)
     opt = make_optimizer()
     step = make_step(opt, "offload_activations", donate="all")
     return step, (model, opt.init(model), jnp.ones((8, 16))), checked
