@@ -36,6 +36,7 @@ is built with `nox -s docs` into `site/index.html`.
 """
 
 from ._arrays.place import abstract as abstract, place as place, shard as shard
+from ._base.compiler_faults import CompilerFaultError as CompilerFaultError
 from ._base.errors import (
     ContractError as ContractError,
     HostUseError as HostUseError,

@@ -220,7 +220,7 @@ def test_a_gpu_run_on_an_affected_release_is_refused_before_it_runs(monkeypatch)
     found = misannotated_host_slices(text)
     assert found
     step, args, checked = _training(monkeypatch, "0.10.2", True, found)
-    with pytest.raises(CompilerFaultError) as error:
+    with pytest.raises(ox.CompilerFaultError) as error:
         step(*args)
     message = str(error.value)
     assert message.startswith("ox.filter_jit(step) was not run (nothing ran, no argument")

@@ -40,7 +40,14 @@ _REVERSED = (
 
 class CompilerFaultError(RuntimeError):
     """The installed XLA:GPU miscompiles the program or fails to compile it through a
-    known fault, named with the release and the fix."""
+    known fault, named with the release and the fix.
+
+    Raised by a step of `ox.filter_jit` before it runs on a GPU whose jaxlib (0.10.2,
+    0.11.0) would read or write an offloaded scan's slices of host memory in the wrong
+    order (openxla/xla#46231: wrong gradients, no error), and by a compile for a GPU
+    target that XLA's slice annotator fails (openxla/xla#49299). Nothing has run and no
+    donated argument is consumed when it is raised. The known limits page lists each
+    fault with its releases."""
 
 
 def installed_release() -> str:
