@@ -15,8 +15,9 @@ bytecode, the options serialized, the devices by id), which builds the same
 compile-only devices and makes the same client call. It answers with what the reports
 read: the memory analysis's fields and the compiled HLO text, which `Compiled` hands
 out as JAX's `Compiled` does. Nothing is compiled twice: the child's compile is the
-only one. One child serves the process: started when `ox.fit` starts (its start, JAX's
-import, overlaps the first traces), kept for the next search, replaced when it dies.
+only one. One child serves the process: started when `ox.fit` starts (its start, the
+import of JAX and offload_eqx, overlaps the first traces), kept for the next search,
+replaced when it dies.
 
 Not isolated: a target whose chip is attached (compiled for the hardware it runs on, by
 the client that runs it), the CPU target, a program with host callbacks (compiled out of

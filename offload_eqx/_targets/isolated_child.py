@@ -1,7 +1,6 @@
 """The child process that compiles `ox.fit`'s candidate plans (`isolated`): run as
 `python -P -m offload_eqx._targets.isolated_child`, it imports JAX and offload_eqx (its
-start, about 2-3 s, is theirs), then answers requests on its standard input until that
-closes.
+start is their import), then answers requests on its standard input until that closes.
 
 A request is a pickled dict: the module (MLIR bytecode), the compile options
 (`CompileOptions.SerializeAsString()`), the ids of the devices compiled for and the
