@@ -18,7 +18,10 @@ Candidates, all computing `model(x)`:
 - `ox.filter_jit(forward)(model, x)`, `eqx.filter_jit(forward)(model, x)`: the model as an
   argument;
 - `ox.filter_jit(model)(x)`, `eqx.filter_jit(model)(x)`: the module as the function;
-- `jax.jit` on arrays split from the model once, before timing: the floor.
+- `jax.jit` on arrays split from the model once, before timing: the floor;
+- a training-like step that donates its model and returns a new one (each weight negated)
+  with `model(x)`, the loop rebinding its name each call: `ox.filter_jit(donate="all")`
+  against `jax.jit(donate_argnums=0)` on the pre-split arrays.
 
     python benchmarks/dispatch.py [--rounds 5] [--calls 2000] [--repeats 5] [--smoke]
 """
@@ -39,12 +42,14 @@ import offload_eqx as ox
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 JAX = "jax.jit (pre-split arrays)"
+OX_DONATING, JAX_DONATING = "ox.filter_jit donating", "jax.jit donating"
 # (numerator, denominator) of each reported ratio.
 RATIOS = {
     "ox / jax.jit": ("ox.filter_jit(forward)", JAX),
     "ox / eqx.filter_jit": ("ox.filter_jit(forward)", "eqx.filter_jit(forward)"),
     "ox module / jax.jit": ("ox.filter_jit(model)", JAX),
     "ox module / eqx module": ("ox.filter_jit(model)", "eqx.filter_jit(model)"),
+    "ox / jax.jit, donating": (OX_DONATING, JAX_DONATING),
 }
 
 
@@ -78,7 +83,35 @@ def candidates() -> dict[str, tuple[Callable, tuple]]:
         "ox.filter_jit(model)": (ox.filter_jit(model), (x,)),
         "eqx.filter_jit(model)": (eqx.filter_jit(model), (x,)),
         JAX: (jax.jit(lambda params, x: eqx.combine(params, static)(x)), (params, x)),
+        OX_DONATING: (_loop(ox.filter_jit(_train, donate="all"), model), (x,)),
+        JAX_DONATING: (_loop(jax.jit(_train_arrays(static), donate_argnums=0), params), (x,)),
     }
+
+
+def _train(model, x):
+    """A step that returns a new model (each weight negated) and an output."""
+    return jax.tree.map(lambda w: -w if eqx.is_array(w) else w, model), model(x)
+
+
+def _train_arrays(static: Any) -> Callable:
+    """`_train` on the model's arrays, its other leaves `static`."""
+
+    def train(params, x):
+        return jax.tree.map(jnp.negative, params), eqx.combine(params, static)(x)
+
+    return train
+
+
+def _loop(step: Callable, model: Any) -> Callable:
+    """A donating `step` called as a training loop calls it: on a copy of `model` (the
+    first call donates it), the loop's state rebound to what each call returns."""
+    state = [jax.tree.map(lambda w: jnp.copy(w) if eqx.is_array(w) else w, model)]
+
+    def call(x):
+        state[0], out = step(state[0], x)
+        return out
+
+    return call
 
 
 def run(rounds: int = 5, calls: int = 2000, repeats: int = 5) -> dict[str, Any]:
