@@ -220,3 +220,22 @@ def test_a_real_xla_abort_in_the_child_is_the_plans_answer(monkeypatch):
     assert message.startswith("XLA aborted compiling this plan: F")
     assert "No FFI handler registered for offload_eqx_adamw" in message
     assert message.endswith("(the compiling process ended with signal 6)")
+
+
+def test_a_request_interrupted_ends_the_child_so_no_answer_reaches_the_next(monkeypatch):
+    """Ctrl-C while the child compiles left its answer in the pipe, where the next
+    request would have read it as its own."""
+    from offload_eqx._targets import isolated
+
+    child = isolated._worker()
+
+    def interrupted(stream):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(isolated.pickle, "load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        child.ask({})
+    monkeypatch.undo()
+    child.process.wait(timeout=60)
+    assert isolated._worker() is not child
+    isolated.close_child()

@@ -240,6 +240,9 @@ class _Child:
                     )
                 ) from None
             raise CompileAborted(_ABORTED.format(why=why)) from None
+        except BaseException:  # Ctrl-C while it compiles: its answer would reach the next
+            self.process.kill()  # request, so the next one goes to a new child
+            raise
         return answer, self._new_log()
 
     def _new_log(self) -> str:
