@@ -38,10 +38,10 @@ class Cache:
         self.entries: dict[Any, Any] = {}
         # The per-call fast path (`dispatch.call`): for a structure (the treedef of
         # the positional arguments, with the function where it holds arrays) called
-        # before, how to pick its array leaves and its static leaves (the very objects
-        # of that call), its program and how to rebuild the outputs: a call whose
-        # leaves match runs it without building the key. Only for entries that donate
-        # nothing and cannot raise at run time.
+        # before, how to pick its array leaves and its static leaves (those of that
+        # call), its program, how to rebuild the outputs and, for a donating program,
+        # its entry: a call whose leaves match runs it without building the key. Only
+        # for entries that cannot raise at run time.
         self.fast: dict[Any, tuple] = {}
         # The outputs of the latest call that donated its inputs (see `last_outputs`):
         # the tree, or `_Weakly` held.

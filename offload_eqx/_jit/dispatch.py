@@ -2,12 +2,13 @@
 
 Per call the wrapper flattens its function and arguments once, classifies each leaf by
 type, looks the static part up in its cache and calls a `jax.jit` whose arguments are the
-array leaves themselves. A structure called before, with the very static leaves of that
-call and concrete arrays, skips the classification and the key (the fast path: for
-programs that donate nothing and cannot raise at run time). When the call fails, the
-arguments are examined for the cause (moved to their planned memory, a transfer guard, a
-donated buffer, several devices) and the error names leaf paths. A call that donates its
-inputs keeps its outputs reachable until they are returned, even through Ctrl-C.
+array leaves themselves. A structure called before, with equal static leaves and
+concrete arrays, skips the classification and the key (the fast path: for programs
+that cannot raise at run time; a donating one still holds Ctrl-C and keeps its
+outputs). When the call fails, the arguments are examined for the cause (moved to
+their planned memory, a transfer guard, a donated buffer, several devices) and the error
+names leaf paths. A call that donates its inputs keeps its outputs reachable until they
+are returned, even through Ctrl-C.
 """
 
 import contextlib
@@ -91,10 +92,17 @@ def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = _flatten((_get(self, "fn"), args) if fn_has_arrays else args)
         hit = cache.fast.get(treedef)
         if hit is not None:
-            pick_arrays, pick_statics, statics, jitted, rebuild = hit
+            pick_arrays, pick_statics, statics, jitted, rebuild, donating = hit
             if pick_statics(leaves) == statics:
                 dynamic = pick_arrays(leaves)
                 if _CONCRETE.issuperset(map(type, dynamic)):
+                    if donating is not None:
+                        out = _donate_fast(self, cache, donating, dynamic, args)
+                        if out is not _REFUSED:
+                            return out
+                        return _dispatch(
+                            self, args, kwargs, (leaves, _whole_treedef(treedef, fn_has_arrays))
+                        )
                     try:
                         return rebuild(jitted(*dynamic))
                     except (NewArgumentTypes, Misplaced, ValueError):
@@ -159,8 +167,9 @@ def _picker(indices: tuple[int, ...]) -> Any:
 
 
 def _remember_fast(self: Any, key: tuple, entry: Any) -> None:
-    """Let the next call of this structure take the fast path (see `Cache.fast`)."""
-    if entry.donate_argnums or entry.checks:
+    """Let the next call of this structure take the fast path (see `Cache.fast`); a
+    donating entry's calls go through `_donate_fast`."""
+    if entry.checks:
         return
     treedef, mask, statics = key
     arrays = tuple(i for i, is_array in enumerate(mask) if is_array)
@@ -168,7 +177,8 @@ def _remember_fast(self: Any, key: tuple, entry: Any) -> None:
     out_treedef, out_static, _ = entry.out_cell
     one_array = not out_static and out_treedef.num_nodes == out_treedef.num_leaves == 1
     rebuild = itemgetter(0) if one_array else entry.rebuild
-    hit = (_picker(arrays), _picker(positions), statics, entry.jitted, rebuild)
+    donating = entry if entry.donate_argnums else None
+    hit = (_picker(arrays), _picker(positions), statics, entry.jitted, rebuild, donating)
     _get(self, "cache").fast[_fast_treedef(treedef, _get(self, "fn_has_arrays"))] = hit
 
 
@@ -253,9 +263,39 @@ def _dispatch(self: Any, args: tuple, kwargs: dict, flat: Any = None) -> Any:
     finally:
         if holding:
             release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
+    if not kwargs:
+        _remember_fast(self, key, entry)
     outputs = entry.rebuild(flat)
     # Held for good only if a Ctrl-C waits: otherwise the loop's names hold them, and a
     # reference here would keep a finished run's state in device memory.
+    cache.keep_outputs(outputs, flat, entry.rebuild, strongly=interrupt_waiting())
+    return outputs
+
+
+_REFUSED = object()  # `_donate_fast` could not take the call: the whole path takes it
+
+
+def _donate_fast(self: Any, cache: Any, entry: Any, dynamic: tuple, args: tuple) -> Any:
+    """A donating call on the fast path: as the whole path's (a held Ctrl-C delivered
+    first, Ctrl-C held while it runs, the outputs kept) without the key. Repeated
+    arrays, and arguments the program refuses before it runs (other types, another
+    memory), go the whole path (`_REFUSED`)."""
+    deliver_pending()
+    if len(set(map(id, dynamic))) < len(dynamic):
+        return _REFUSED
+    cache.keep_outputs(None)
+    holding = hold()
+    try:
+        flat = entry.jitted(*dynamic)  # read each call: tests replace it
+    except (NewArgumentTypes, Misplaced, ValueError):
+        return _REFUSED  # nothing donated: it was refused before it ran
+    except jax.errors.JaxRuntimeError as error:
+        _explain_transfer(error, self.arguments(*args))
+        raise
+    finally:
+        if holding:
+            release(f"ox.filter_jit({describe(_get(self, 'fn'))})")
+    outputs = entry.rebuild(flat)
     cache.keep_outputs(outputs, flat, entry.rebuild, strongly=interrupt_waiting())
     return outputs
 
