@@ -40,7 +40,8 @@ CELL_IDS = ["floor", "newest"]
 # XLA's behaviour (host computations, callbacks, deviceless compiles, the FFI kernel),
 # the users' everyday surface (annotate, filter_jit as Equinox's drop-in, audit, memory,
 # masters, layer splits), the README's examples and the published libraries, XLA:GPU's
-# known faults (fixed in 0.12.0.1, not in 0.10.2) and the GPU-host proof's isolation. Left to
+# known faults (fixed in 0.12.0.1, not in 0.10.2), the GPU-host proof's isolation and
+# ox.fit's compiling child (XLA's compile entry, its aborts). Left to
 # the floor: the planner's searches and the step-time model (pure Python over XLA's text,
 # the same on both; their compiles take the most time), the real-model families under
 # every strategy, the docs pages, the kernel's build and trust checks (files and
@@ -52,7 +53,7 @@ NEWEST_PART = tuple(
         "annotate", "jit", "audit", "memory", "masters", "layer_split", "drop_in", "readme",
         "fused_adamw", "host_split", "host_chunks", "callbacks", "flops",
         "published_libraries", "jax_versions", "gpu_host_kernels", "gpu_host_proof",
-        "compiler_faults", "nested_scans",
+        "compiler_faults", "nested_scans", "fit_faults",
     )
 )  # fmt: skip
 # The one XLA limit tested among the step-time model's tests.
