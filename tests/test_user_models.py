@@ -15,6 +15,7 @@ tile for its rank-2 dot, plain Equinox too): a `CompilerFaultError` says so and 
 the fixes (`docs/limits.md`).
 """
 
+import dataclasses
 import importlib.metadata
 
 import equinox as eqx
@@ -32,7 +33,14 @@ from test_real_models import (
     offload_step,
     reference_run,
 )
-from user_models import USER_MODELS, DinoViT, fixed_point, images_batch, vit_lora_loss
+from user_models import (
+    USER_MODELS,
+    DinoViT,
+    MoELM,
+    fixed_point,
+    images_batch,
+    vit_lora_loss,
+)
 
 import offload_eqx as ox
 
@@ -146,3 +154,30 @@ def test_generate_and_error_if(strategy: str):
     np.testing.assert_array_equal(np.asarray(generate(model, token)), np.asarray(expected))
     with pytest.raises(Exception, match="token out of range"):
         ox.filter_jit(lambda m, t: m(t), strategy=strategy)(model, jnp.array(99))
+
+
+def _switch_lm(where):
+    """The decoder with top-1 routing (each token's expert gathered from the stack by
+    index), `where` in pinned_host."""
+    return lambda key: ox.annotate(MoELM(top_k=1, key=key), where, memory="pinned_host")
+
+
+def test_switch_experts_annotated_alone_are_a_host_use_error_naming_them():
+    """The stacked experts annotated by themselves: the router gathers a token's expert
+    from the stack (`w[expert]`) outside any region, which JAX cannot do on host memory
+    ("memory_space of all inputs passed to `gather` must be the same"). A
+    `HostUseError` names the experts' leaves and the fixes (`docs/errors.md`)."""
+    experts = _switch_lm(lambda m: [b.moe.experts for b in m.blocks])
+    case = dataclasses.replace(USER_MODELS["moe_lm"], build=experts)
+    with pytest.raises(
+        ox.HostUseError, match=r"`model\.blocks\[0\]\.moe\.experts\.up\.weight`.*ox\.fetch"
+    ):
+        offload_run(case, ox.offload_optimizer(_adamw()), "offload_params")
+
+
+def test_switch_experts_in_annotated_blocks_train_as_plain_equinox():
+    """The fix: annotate the blocks, whose regions fetch the experts' stack once; the
+    gather reads the device copy."""
+    case = dataclasses.replace(USER_MODELS["moe_lm"], build=_switch_lm(lambda m: m.blocks))
+    trajectory, _, _ = offload_run(case, ox.offload_optimizer(_adamw()), "offload_params")
+    assert_same_trajectory(trajectory, reference_run(case, _adamw()), case.rtol)

@@ -59,6 +59,8 @@ class MixtureOfExperts(eqx.Module):
 
     def __call__(self, x: Float[Array, "seq width"]) -> tuple[Array, Array]:
         logits = jax.vmap(self.router)(x)
+        if self.top_k == 1:
+            return self.switch(x, logits), jnp.zeros(())
         weights, chosen = jax.lax.top_k(logits, self.top_k)
         weights = jax.nn.softmax(weights, axis=-1)
         # Every expert on every token (dense), then the chosen ones gathered.
@@ -71,6 +73,17 @@ class MixtureOfExperts(eqx.Module):
         balance = logits.shape[-1] * jnp.sum(routed * probabilities.mean(axis=0))
         return mixed, balance
 
+    def switch(self, x: Float[Array, "seq width"], logits: Array) -> Float[Array, "seq width"]:
+        """Top-1 (Switch Transformer): each token through its expert's weights alone,
+        gathered from the stack by index."""
+
+        def one_token(token: Array, expert: Array) -> Array:
+            chosen = jax.tree.map(lambda w: w[expert], self.experts)
+            return chosen(token)
+
+        gate = jax.nn.softmax(logits, axis=-1).max(axis=-1, keepdims=True)
+        return gate * jax.vmap(one_token)(x, jnp.argmax(logits, axis=-1))
+
 
 class MoEBlock(eqx.Module):
     norm1: eqx.nn.RMSNorm
@@ -80,13 +93,13 @@ class MoEBlock(eqx.Module):
     moe: MixtureOfExperts
     heads: int = eqx.field(static=True)
 
-    def __init__(self, width: int, heads: int, *, key: PRNGKeyArray):
+    def __init__(self, width: int, heads: int, top_k: int, *, key: PRNGKeyArray):
         qkv_key, out_key, moe_key = jax.random.split(key, 3)
         self.norm1 = eqx.nn.RMSNorm(width)
         self.qkv = eqx.nn.Linear(width, 3 * width, use_bias=False, key=qkv_key)
         self.out = eqx.nn.Linear(width, width, use_bias=False, key=out_key)
         self.norm2 = eqx.nn.RMSNorm(width)
-        self.moe = MixtureOfExperts(width, 2 * width, num_experts=4, top_k=2, key=moe_key)
+        self.moe = MixtureOfExperts(width, 2 * width, num_experts=4, top_k=top_k, key=moe_key)
         self.heads = heads
 
     def __call__(self, x: Float[Array, "seq width"]) -> tuple[Array, Array]:
@@ -105,10 +118,10 @@ class MoELM(eqx.Module):
     norm: eqx.nn.RMSNorm
     head: eqx.nn.Linear
 
-    def __init__(self, vocab=32, width=16, heads=2, depth=2, *, key: PRNGKeyArray):
+    def __init__(self, vocab=32, width=16, heads=2, depth=2, top_k=2, *, key: PRNGKeyArray):
         embed_key, head_key, *block_keys = jax.random.split(key, depth + 2)
         self.embedding = eqx.nn.Embedding(vocab, width, key=embed_key)
-        self.blocks = [MoEBlock(width, heads, key=k) for k in block_keys]
+        self.blocks = [MoEBlock(width, heads, top_k, key=k) for k in block_keys]
         self.norm = eqx.nn.RMSNorm(width)
         self.head = eqx.nn.Linear(width, vocab, use_bias=False, key=head_key)
 
