@@ -160,9 +160,10 @@ class LoRALinear(eqx.Module):
     alpha: float = eqx.field(static=True)
 
     def __init__(self, linear: eqx.nn.Linear, rank: int, alpha: float, *, key: PRNGKeyArray):
+        in_features, out_features = linear.weight.shape[1], linear.weight.shape[0]
         self.linear = linear
-        self.lora_a = jax.random.normal(key, (rank, linear.in_features)) / rank
-        self.lora_b = jnp.zeros((linear.out_features, rank))
+        self.lora_a = jax.random.normal(key, (rank, in_features)) / rank
+        self.lora_b = jnp.zeros((out_features, rank))
         self.alpha = alpha
 
     def __call__(self, x: Float[Array, " in_features"]) -> Float[Array, " out_features"]:
