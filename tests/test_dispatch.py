@@ -441,7 +441,8 @@ def test_a_donating_call_reads_the_sigint_handler_raw(python_sigint, monkeypatch
     model, opt_state, _, _ = step(model, opt_state, x, scale)
     assert model.layers[0].weight is step.last_outputs[0].layers[0].weight  # it donated
     assert read == []
-    assert signal.getsignal(signal.SIGINT).__name__ == "_handler"  # still in front
+    handler = signal.getsignal(signal.SIGINT)
+    assert getattr(handler, "__name__", None) == "_handler"  # still in front
 
 
 def test_a_donating_step_called_again_takes_the_fast_path(monkeypatch):
