@@ -2,6 +2,8 @@
 a complex value a candidate's regions would save, and a candidate whose compile aborts
 the compiler (issue 66, items 8 and 9)."""
 
+import importlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,20 @@ def test_a_request_interrupted_ends_the_child_so_no_answer_reaches_the_next(monk
     child.process.wait(timeout=60)
     assert isolated._worker() is not child
     isolated.close_child()
+
+
+def test_fit_raises_the_compiler_fault_every_compiled_plan_met(monkeypatch):
+    """Where each compiled plan fails through a known compiler fault (jaxlib 0.10.2's
+    Triton tiling of a LoRA adapter's gradient, every plan alike), ox.fit said that the
+    compiles ran out and to raise `max_compiles`, which cannot help: it raises the
+    fault, with its fixes."""
+    search = importlib.import_module("offload_eqx._fit.search")
+
+    def faulty(program, target, label):
+        raise ox.CompilerFaultError("XLA:GPU of jaxlib 0.10.2 cannot tile this dot; fix: upgrade")
+
+    monkeypatch.setattr(search, "compiled_report", faulty)
+    model, x = _Complex(jnp.ones((64, 64))), jnp.ones((8, 64))
+    with pytest.raises(ox.CompilerFaultError, match="no plan can be measured") as error:
+        ox.fit(_complex_step(), model, x, target="cpu", device_budget=2**30, max_compiles=2)
+    assert "cannot tile this dot; fix: upgrade" in str(error.value)

@@ -109,11 +109,13 @@ def test_memory_report_and_estimate_for_the_h100(name: str):
 
 @pytest.mark.deviceless
 @pytest.mark.full  # 18 to 85 s a model: the fit's compiles, in a child process
-@pytest.mark.parametrize(
-    "name", [n for n in USER_MODELS if not (n == "vit_lora" and NO_TILE_FAULT)]
-)
+@pytest.mark.parametrize("name", list(USER_MODELS))
 def test_fit_for_the_h100(name: str):
     step, arguments = _step_and_arguments(name, "annotated")
+    if name == "vit_lora" and NO_TILE_FAULT:  # every plan meets the fault: ox.fit says so
+        with pytest.raises(ox.CompilerFaultError, match="no plan can be measured"):
+            ox.fit(step, *arguments, target="h100", max_compiles=4)
+        return
     result = ox.fit(step, *arguments, target="h100", max_compiles=4)
     assert result.estimate.seconds > 0 and result.compiles <= 4, result
 

@@ -4,6 +4,7 @@ import dataclasses
 import time
 from typing import Any
 
+from .._base.compiler_faults import CompilerFaultError
 from .._base.table import format_bytes, format_table
 from .._planning.estimate import StepEstimate, with_simulation
 from .search import Search
@@ -22,6 +23,11 @@ _UNTRIED = (
     " The {compiles} compiles allowed ran out with {count} plans untried that might fit "
     "(their predicted memory is within the budgets), the fastest: {plans}. Raise "
     "`max_compiles`."
+)
+_EVERY_PLAN_FAULTED = (
+    "ox.fit: each of the {count} plans compiled for {target!r} failed through a known "
+    "fault of this release's compiler, so no plan can be measured here and more compiles "
+    "cannot help. The first: "
 )
 _LEAST = " The least device memory measured was {least} ({host} on the host), by {plan}."
 _UNPRICED = (
@@ -182,9 +188,15 @@ class FitResult:
     __repr__ = __str__
 
 
-def explain(search: Search, space: Space) -> ValueError:
+def explain(search: Search, space: Space) -> Exception:
     """Why no plan fits: shown by the most frugal plan's compile, or not shown (plans that
-    might fit were left untried), with the compiler's crashes listed."""
+    might fit were left untried), with the compiler's crashes listed; the known compiler
+    fault every compiled plan met, where they all met one (more compiles cannot help)."""
+    if search.faults and len(search.faults) == search.compiles:
+        return CompilerFaultError(
+            _EVERY_PLAN_FAULTED.format(count=search.compiles, target=search.target.name)
+            + str(search.faults[0])
+        )
     message = _NO_PLAN.format(
         target=search.target.name,
         budget=format_bytes(search.budget),

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base.compiler_faults import CompilerFaultError
 from .._base.errors import ContractError
 from .._base.table import format_bytes
 from .._declare.activations import LayerSplit
@@ -104,6 +105,9 @@ class Search:
     over: dict = dataclasses.field(default_factory=dict)
     rows: dict = dataclasses.field(default_factory=dict)  # Choice -> Candidate
     crashed: dict = dataclasses.field(default_factory=dict)  # placement -> [first lines]
+    # Known compiler faults compiled plans met (`ox.CompilerFaultError`): where every
+    # compiled plan met one, no compile budget helps, and `ox.fit` raises the fault.
+    faults: list = dataclasses.field(default_factory=list)
     best: tuple | None = None  # (key, choice, estimate) of the best plan that fits
     # Every compiled plan that fits: its count's key and its estimate (schedule simulated).
     fitting: dict = dataclasses.field(default_factory=dict)  # Choice -> (key, StepEstimate)
@@ -325,6 +329,8 @@ class Search:
             self.crashed.setdefault(choice.placement, []).append("XLA aborted")
             return self._row(choice, row(status=str(error)))
         except Exception as error:
+            if isinstance(error, CompilerFaultError):
+                self.faults.append(error)
             if not is_out_of_memory(error):
                 # A compiler crash on one plan (XLA:TPU crashes on some host-resident
                 # layouts) is that plan's answer, shown in its row, not the search's end.
