@@ -39,7 +39,8 @@ CELL_IDS = ["floor", "newest"]
 # What the newest JAX runs: where offload_eqx meets JAX's and Equinox's private names and
 # XLA's behaviour (host computations, callbacks, deviceless compiles, the FFI kernel),
 # the users' everyday surface (annotate, filter_jit as Equinox's drop-in, audit, memory,
-# masters, layer splits), the README's examples and the published libraries, XLA:GPU's
+# masters, layer splits), the README's examples, the published libraries and models
+# written as their authors write them (`user_models`), XLA:GPU's
 # known faults (fixed in 0.12.0.1, not in 0.10.2), the GPU-host proof's isolation and
 # ox.fit's compiling child (XLA's compile entry, its aborts). Left to
 # the floor: the planner's searches and the step-time model (pure Python over XLA's text,
@@ -53,7 +54,7 @@ NEWEST_PART = tuple(
         "annotate", "jit", "audit", "memory", "masters", "layer_split", "drop_in", "readme",
         "fused_adamw", "host_split", "host_chunks", "callbacks", "flops",
         "published_libraries", "jax_versions", "gpu_host_kernels", "gpu_host_proof",
-        "compiler_faults", "nested_scans", "fit_faults",
+        "compiler_faults", "nested_scans", "fit_faults", "user_models",
     )
 )  # fmt: skip
 # The one XLA limit tested among the step-time model's tests.
