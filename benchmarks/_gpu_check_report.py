@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from _gpu_check_matmuls import markdown as matmul_lines
 from _gpu_check_parts import equivalence_lines
 
 
@@ -176,6 +177,11 @@ def markdown(result: dict[str, Any]) -> str:
         ("link", "5. The link", lambda: _link(parts["link"])),
         ("kernels", "6. Fused attention: workspace and time", lambda: _kernels(parts["kernels"])),
         ("host", "7. The optimizer update on the host", lambda: _host(parts["host"])),
+        (
+            "matmuls",
+            "8. Matmuls by shape: measured and table",
+            lambda: matmul_lines(parts["matmuls"]),
+        ),
     )
     for part, title, body in sections:
         if part in parts:  # `--parts` may have left it out

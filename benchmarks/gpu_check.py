@@ -2,7 +2,7 @@
 
 Every test of "gradients and updates are equal under every strategy" runs on a CPU, where
 host and device memory are the same RAM. A GPU is lent now and then, about 15 minutes at
-a time with its start; this script spends them, in seven parts:
+a time with its start; this script spends them, in eight parts:
 
 1. **Equivalence on the device** (the line that matters: `EQUIVALENCE PASS/FAIL`). The
    tutorial's scan (float32 and bfloat16), the experiments' decoder (its own attention)
@@ -46,6 +46,10 @@ a time with its start; this script spends them, in seven parts:
    with the target's host figures and with the measured ones; whether the compiled step
    calls our AdamW kernel on the GPU's host (`ox.host_kernels()`), and the same step
    traced with optax's own operations beside it: results (bit for bit?) and time.
+8. **Matmuls by shape** (`_gpu_check_matmuls.py`, added 2026-12-08): bf16 `a @ b` at
+   the shapes of `MATMUL_SHAPES` (256^3 to 12288^3, and LLM-like rectangles), each
+   timed (warm-up, batches of calls blocked at their end) as a fraction of the target's
+   peak, beside the fraction its table by shape predicts (`ox.matmul_efficiency`).
 
 The time budget on paper (H100; XLA:GPU compiles of the 1B decoder take tens of seconds
 each, small programs one to a few; a persistent compilation cache lets a run compile
@@ -59,13 +63,14 @@ a run compile and 17 calls):
 | 5 link | 8 sizes x 2 directions x 5 copies, at most 1 GiB each | 15 |
 | 6 kernels | attention: a GPU compile, a deviceless compile and estimate, 11 calls | 15 |
 | 7 host | two estimates, a host calibration, 4 compiles, 14 host updates of ~0.5 s | 25 |
+| 8 matmuls | 9 shapes: a compile and ~5 batches of ~20 ms each | 10 |
 | 2 + 4 timing, memory | decoder: 3 to 5 strategies x ~45 s; scan 5, optimizer 4 x ~8 s | 160 |
-| 3 fit | `ox.fit` with 3 compiles (~70 s), then up to 3 candidates at ~25 s | 140 |
+| 3 fit | `ox.fit` with 3 compiles (~70 s), then up to 3 candidates at ~25 s | 130 |
 | margin | | 5 |
 | total | | 480 |
 
-The parts run in that order (the cheap link and kernels before the long ones). A case is skipped,
-and printed as skipped, when its expected time (the last case of its kind, or the
+The parts run in that order (the cheap link, kernels and matmuls before the long ones). A
+case is skipped, and printed as skipped, when its expected time (the last case of its kind, or the
 budget's figure) would overrun its part's share: a part may use what the parts after it
 do not need. `--seconds` changes the total.
 
@@ -95,6 +100,7 @@ import jax.numpy as jnp  # noqa: E402
 import step_time  # noqa: E402
 from _gpu_check_host import host_update  # noqa: E402
 from _gpu_check_kernels import kernels  # noqa: E402
+from _gpu_check_matmuls import matmuls  # noqa: E402
 from _gpu_check_parts import (  # noqa: E402
     Clock,
     equivalence,
@@ -108,6 +114,7 @@ from _gpu_check_report import markdown  # noqa: E402
 from _gpu_check_work import decoder_workload, optimizer_workload, scan_workload  # noqa: E402
 
 import offload_eqx as ox  # noqa: E402
+from offload_eqx._targets.matmul_efficiency import MATMUL_SHAPES  # noqa: E402
 
 _decoder = step_time._decoder
 GiB, KiB = 2**30, 2**10
@@ -116,16 +123,27 @@ F32_BOUND, BF16_BOUND = 1e-5, 2.0**-6
 
 # Seconds per part on paper (see the docstring); the order is the order they run in.
 BUDGETS: dict[str, dict[str, float]] = {
-    "gpu": {"equivalence": 110, "link": 15, "kernels": 15, "host": 25, "timing": 160, "fit": 140}
+    "gpu": {
+        "equivalence": 110,
+        "link": 15,
+        "kernels": 15,
+        "matmuls": 10,
+        "host": 25,
+        "timing": 160,
+        "fit": 130,
+    }
 }
 BUDGETS["smoke"] = {
     "equivalence": 35,
     "link": 2,
     "kernels": 5,
+    "matmuls": 2,
     "host": 5,
     "timing": 12,
     "fit": 8,
 }
+# Part 8's matmuls (M, N, K), bf16 (smoke: tiny).
+MATMULS = {"gpu": MATMUL_SHAPES, "smoke": ((64, 64, 64), (128, 256, 64))}
 # Part 7's host update: parameters (smoke: 1M).
 HOST_PARAMETERS = {"gpu": 200_000_000, "smoke": 1_000_000}
 # Part 6's attention: Llama-2-7B/13B's heads at 4,096 tokens (smoke: tiny).
@@ -215,7 +233,7 @@ def _use_compilation_cache() -> None:
         print(f"no persistent compilation cache: {error}")
 
 
-PARTS = ("equivalence", "link", "kernels", "host", "timing", "fit")
+PARTS = ("equivalence", "link", "kernels", "matmuls", "host", "timing", "fit")
 
 
 def run(
@@ -260,6 +278,9 @@ def run(
     if "kernels" in only:
         repeats = 3 if size == "smoke" else 10
         parts["kernels"] = part("kernels", lambda: kernels(ATTENTION[size], target, repeats))
+    if "matmuls" in only:
+        repeats = 2 if size == "smoke" else 5
+        parts["matmuls"] = part("matmuls", lambda: matmuls(MATMULS[size], target, repeats))
     if "host" in only:
         repeats = 2 if size == "smoke" else 5
         host = HOST_PARAMETERS[size]

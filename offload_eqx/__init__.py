@@ -86,6 +86,8 @@ from ._planning.estimate import StepEstimate as StepEstimate, estimate as estima
 from ._planning.events import Event as Event, Simulation as Simulation
 from ._planning.max_batch import max_batch as max_batch
 from ._targets.calibrate import calibrate_host as calibrate_host
+from ._targets.matmul_efficiency import MatmulEfficiency as MatmulEfficiency
+from ._targets.speeds import matmul_efficiency as matmul_efficiency
 from ._targets.targets import (
     TARGETS as TARGETS,
     Speeds as Speeds,

@@ -113,7 +113,9 @@ class StepEstimate:
         `estimate.with_speeds(h2d_bandwidth=450e9, d2h_bandwidth=450e9)` asks how fast the
         step would be over a faster host link. Each keyword is a field of `ox.Speeds`
         (checked as `ox.Speeds` checks it); the compiled schedule is simulated again (and
-        the jaxpr count priced again) with the changed rates, memory unchanged."""
+        the jaxpr count priced again) with the changed rates, memory unchanged.
+        `efficiency=0.5` prices every matmul at that constant, in place of the target's
+        table by shape (`ox.Speeds.replace`)."""
         allowed = {f.name for f in dataclasses.fields(Speeds)}
         unknown = sorted(set(changes) - allowed)
         if unknown:
@@ -126,7 +128,7 @@ class StepEstimate:
                 "StepEstimate.with_speeds(): this estimate was built by hand, without the "
                 "trace `ox.estimate` prices; make it with `ox.estimate`."
             )
-        speeds = dataclasses.replace(self.speeds, **changes)
+        speeds = self.speeds.replace(**changes)
         traced, phases = predict(load_of(priced_at(self.costs, speeds)), speeds)
         repriced = dataclasses.replace(
             self, speeds=speeds, seconds=traced, phases=phases, traced_seconds=traced

@@ -34,7 +34,8 @@ once, so the work is counted here, from the program JAX traced, before XLA optim
   axes' sizes).
 - The roofline time of a dot or conv is `max(flops / flop_rate, bytes / byte_rate)`, of
   everything else `bytes / byte_rate`: a lower bound that assumes no overlap between
-  equations and perfect overlap within one.
+  equations and perfect overlap within one; a `dot_general` runs at the efficiency of its
+  (M, N, K, dtype) where a table by shape is given (`ox.Speeds.matmul_efficiency`).
 
 Phases follow the name stacks JAX leaves on the equations it derives, as in `_inspect.jaxpr_walk`:
 `transpose(...)` is the backward pass, `jvp(...)` the forward pass, and equations after the
@@ -51,6 +52,7 @@ equation context; their work goes to the `host_*` fields, not to `flops` or `sec
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.extend as jex
@@ -60,6 +62,7 @@ from .._base.jax_private import without_dead_code
 from .._base.primitives import STRUCTURAL, is_callback, phase_of
 from .._base.table import format_bytes
 from .._host.compute import DELAYED_SCOPE, is_host_computation
+from .dots import dot_rate, eqn_flops
 from .fused import KernelCost, Key, eqn_cost, kernel_key, pallas_name
 
 PHASES = ("forward", "backward", "update")
@@ -146,6 +149,8 @@ class _Rates:
     host_flop: float | None
     host_byte: float | None
     peak: float | None = None  # the chip's peak: a fused kernel's own efficiency applies to it
+    # The fraction of `peak` a dot reaches, from (m, n, k, dtype, batch); None: at `flop`.
+    matmul: Callable[[int, int, int, Any, int], float] | None = None
 
 
 def _time(flops: float, nbytes: float, flop_rate: float | None, byte_rate: float | None) -> float:
@@ -167,19 +172,6 @@ def _nbytes(aval) -> float:
 
 def _size(aval) -> float:
     return float(math.prod(aval.shape))
-
-
-def _matmul_flops(eqn) -> float:
-    out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
-        (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        return 2.0 * _size(out) * math.prod(lhs.shape[d] for d in lhs_contracting)
-    # conv: each output element sums over the kernel's spatial window and its input
-    # features, which the kernel already holds per group (in_features / groups).
-    _, rhs_spec, _ = eqn.params["dimension_numbers"]
-    rhs = eqn.invars[1].aval
-    return 2.0 * _size(out) * math.prod(rhs.shape[d] for d in rhs_spec[1:])
 
 
 def _open(jaxpr):
@@ -275,7 +267,7 @@ class _Counter:
             # XLA updates the operand in place: only the update is written.
             written = _nbytes(eqn.invars[_IN_PLACE[eqn.primitive.name]].aval)
         if eqn.primitive.name in _MATMULS:
-            flops = _matmul_flops(eqn) * count
+            flops = eqn_flops(eqn) * count
             nbytes = (sum(_nbytes(v.aval) for v in eqn.invars) + written) * count
             if host:
                 work["host_flops"] += flops
@@ -285,7 +277,9 @@ class _Counter:
                 work["flops"] += flops
                 work["recompute_flops"] += flops if recompute else 0.0
                 work["matmul_bytes"] += nbytes
-                work["seconds"] += _time(flops, nbytes, rates.flop, rates.byte)
+                work["seconds"] += _time(
+                    flops, nbytes, dot_rate(eqn, rates.flop, rates.peak, rates.matmul), rates.byte
+                )
         elif host:
             work["host_bytes"] += written * count
             work["host_seconds"] += _time(0.0, written * count, None, rates.host_byte)
@@ -372,6 +366,7 @@ def count_work(
     host_byte_rate: float | int | None = None,
     peak_flop_rate: float | int | None = None,
     constants: dict | None = None,
+    matmul_efficiency: Callable[[int, int, int, Any, int], float] | None = None,
 ) -> dict[str, PhaseWork]:
     """The work of a traced program by phase: `{"forward", "backward", "update"}` -> `PhaseWork`.
 
@@ -380,9 +375,11 @@ def count_work(
     `flop_rate=989e12, byte_rate=3.35e12` for an H100's dense bf16 and HBM) give the
     roofline `seconds`; the host rates give `host_seconds`; `peak_flop_rate` (the chip's
     peak) the rate of a fused kernel with its own efficiency (cuDNN attention), which
-    otherwise runs at `flop_rate`. `constants` maps constant variables of an open
-    `Jaxpr` to their values (a `ClosedJaxpr` brings its own). Every phase is present,
-    zero when the program has none of it.
+    otherwise runs at `flop_rate`; `matmul_efficiency(m, n, k, dtype, batch)` the fraction
+    of `peak_flop_rate` a `dot_general` reaches by its shape (`functools.partial(
+    ox.matmul_efficiency, speeds)`), in place of `flop_rate`. `constants` maps constant
+    variables of an open `Jaxpr` to their values (a `ClosedJaxpr` brings its own). Every
+    phase is present, zero when the program has none of it.
 
     ```python
     closed, *_ = eqx.filter_make_jaxpr(train_step)(model, opt_state, batch)
@@ -400,7 +397,7 @@ def count_work(
         if value is not None and not (isinstance(value, (int, float, np.floating)) and value > 0):
             raise ValueError(_RATE_ERROR.format(name=name, value=value))
     given = (flop_rate, byte_rate, host_flop_rate, host_byte_rate, peak_flop_rate)
-    rates = _Rates(*(None if value is None else float(value) for value in given))
+    rates = _Rates(*(None if v is None else float(v) for v in given), matmul=matmul_efficiency)
     counter = _walked(jaxpr, rates, constants)
     return {
         phase: _freeze(counter.work[phase], counter.unpriced[phase], counter.caveats[phase])

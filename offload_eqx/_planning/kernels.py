@@ -6,7 +6,8 @@ reads and writes in device and in host memory, and which resource runs it.
   operand only sliced inside the fusion is read as the slices, and a result updated in
   place (`dynamic-update-slice`) is written as the update.
 - A `dot` or `convolution` outside a fusion, and the custom calls of cuBLAS and cuDNN's
-  convolutions, the same.
+  convolutions, the same. Each dot's shape (M, N, K, dtype, batch) goes with its FLOPs
+  (`Work.matmuls`), for the target's efficiency by shape (`prices.py`).
 - Every other custom call is a fused kernel, priced by its rule in `fused.py` (cuDNN
   attention, splash attention, a Pallas kernel's declared cost estimate) at its own
   efficiency where the rule gives one; a kernel no rule prices moves its operands and
@@ -21,8 +22,9 @@ import math
 import re
 from collections.abc import Mapping
 
+from .dots import Matmul, dot_flops, dot_matmul, first, gemm_flops, inner_matmuls, is_gemm
 from .fused import KernelCost, Key, custom_call_cost
-from .hlo import Array, Computation, Instruction, Module, Type, arrays, nbytes
+from .hlo import Computation, Instruction, Module, Type, arrays, nbytes
 
 # Instructions that run no kernel: they name, alias or group buffers.
 FREE = frozenset(
@@ -52,6 +54,7 @@ class Work:
     unpriced: str = ""  # what the kernel is, when no rule prices its FLOPs (its bytes alone)
     caveat: str = ""  # what a priced kernel's price leaves out (a mask not read)
     host: bool = False  # a host kernel of ours: its device bytes at the host's bandwidth
+    matmuls: tuple[Matmul, ...] = ()  # the dots among `flops`, with their shapes
 
 
 def group_size(instruction: Instruction) -> int:
@@ -76,28 +79,6 @@ def group_size(instruction: Instruction) -> int:
     return 1
 
 
-def _dims(text: str | None) -> tuple[int, ...]:
-    return tuple(int(d) for d in re.findall(r"\d+", text or ""))
-
-
-def _first(value: object) -> Array | None:
-    return next(arrays(value), None)  # type: ignore[arg-type]
-
-
-def dot_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
-    """2 x (result elements) x (contracted elements) of a `dot`."""
-    result = _first(instruction.type)
-    lhs = _first(module.operand_type(computation, instruction.operands[0]))
-    if result is None or lhs is None:
-        return 0.0
-    contracted = math.prod(
-        lhs.dims[d]
-        for d in _dims(instruction.attribute("lhs_contracting_dims"))
-        if d < len(lhs.dims)
-    )
-    return 2.0 * result.elements * contracted
-
-
 # The forward convolution's (output, input, kernel) among a cuDNN convolution's (result,
 # first operand, second operand): its backward kernels carry the forward's dimensions.
 _CUDNN_CONVOLUTION_ROLES = {
@@ -111,8 +92,8 @@ def convolution_flops(module: Module, computation: Computation, instruction: Ins
     window's taps that meet input elements: the kernel's input features are already those
     of one feature group. A cuDNN convolution's backward kernels (`__cudnn$convBackward*`)
     cost what the forward convolution whose dimensions they carry costs."""
-    values = [_first(instruction.type)] + [
-        _first(module.operand_type(computation, o)) for o in instruction.operands[:2]
+    values = [first(instruction.type)] + [
+        first(module.operand_type(computation, o)) for o in instruction.operands[:2]
     ]
     if len(values) < 3:
         return 0.0
@@ -195,19 +176,6 @@ def _taps_on_input(instruction: Instruction, sizes: list[int | None]) -> float:
     return share
 
 
-def _gemm_flops(module: Module, computation: Computation, instruction: Instruction) -> float:
-    """A cuBLAS gemm custom call (`__cublas$gemm`, or cuBLASLt's `__cublas$lt$matmul`,
-    which XLA:GPU picks when it autotunes on an attached GPU): its dot's dimensions are
-    in the backend configuration."""
-    result = _first(instruction.type)
-    lhs = _first(module.operand_type(computation, instruction.operands[0]))
-    match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
-    if result is None or lhs is None or match is None:
-        return 0.0
-    contracted = math.prod(lhs.dims[d] for d in _dims(match.group(1)) if d < len(lhs.dims))
-    return 2.0 * result.elements * contracted
-
-
 def inner_flops(module: Module, name: str, seen: frozenset = frozenset()) -> float:
     """The FLOPs of the dots and convolutions of computation `name`, at any depth."""
     computation = module.computations.get(name)
@@ -239,8 +207,8 @@ def own_flops(module: Module, computation: Computation, instruction: Instruction
         return convolution_flops(module, computation, instruction)
     if instruction.opcode == "custom-call":
         target = instruction.attribute("custom_call_target") or ""
-        if "gemm" in target.lower() or target.startswith("__cublas$lt$matmul"):
-            return _gemm_flops(module, computation, instruction)
+        if is_gemm(instruction):
+            return gemm_flops(module, computation, instruction)
         if target.startswith("__cudnn$conv"):
             return convolution_flops(module, computation, instruction)
     return 0.0
@@ -334,7 +302,8 @@ def fusion_work(module: Module, computation: Computation, instruction: Instructi
         else:
             device += written
     strided = fused is not None and transposes(module, fused.name)
-    return Work(flops, device, host_read, host_write, strided)
+    matmuls = inner_matmuls(module, fused.name) if fused is not None else ()
+    return Work(flops, device, host_read, host_write, strided, matmuls=matmuls)
 
 
 def _moved(
@@ -394,7 +363,7 @@ def custom_call_work(
     kernels)."""
     flops = own_flops(module, computation, instruction)
     if flops:
-        return _moved(module, computation, instruction, flops)
+        return _with_matmul(module, computation, instruction, flops)
     cost = custom_call_cost(module, computation, instruction, table)
     work = _moved(module, computation, instruction, cost.flops)
     return dataclasses.replace(
@@ -429,5 +398,16 @@ def instruction_work(
         index = 1 if opcode == "dynamic-update-slice" else -1
         update = module.operand_type(computation, instruction.operands[index])
         return piece_work(update, instruction.type, update)
-    work = _moved(module, computation, instruction, own_flops(module, computation, instruction))
+    work = _with_matmul(
+        module, computation, instruction, own_flops(module, computation, instruction)
+    )
     return dataclasses.replace(work, transposes=opcode == "transpose")
+
+
+def _with_matmul(
+    module: Module, computation: Computation, instruction: Instruction, flops: float
+) -> Work:
+    """`_moved`, with the instruction's own dot shape where it is a dot or a gemm."""
+    work = _moved(module, computation, instruction, flops)
+    matmul = dot_matmul(module, computation, instruction) if flops else None
+    return work if matmul is None else dataclasses.replace(work, matmuls=(matmul,))

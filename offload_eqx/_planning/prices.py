@@ -2,7 +2,10 @@
 (`schedule.py` runs them in the compiled schedule's order).
 
 - A kernel takes its roofline time, `max(FLOPs / (peak x efficiency), device bytes /
-  HBM bandwidth, host bytes / link bandwidth)`, plus the target's `kernel_launch`; a
+  HBM bandwidth, host bytes / link bandwidth)`, plus the target's `kernel_launch`. Its
+  dots run at the efficiency their shapes reach where the target has a table
+  (`matmul_efficiency`, the function the jaxpr count asks too), its other FLOPs at the
+  target's `efficiency`, a fused kernel's at its own where its rule gives one; a
   kernel that transposes moves its device bytes at `transpose_bandwidth` where that is
   given, and one of offload_eqx's host kernels at the bandwidth of a host computation.
 - A collective takes the ring's time over its replica group of `n` devices: all-reduce
@@ -10,6 +13,7 @@
   all-to-all `(n-1)/n x bytes`, a permute its bytes, at `interconnect_bandwidth`.
 """
 
+from .._targets.speeds import matmul_efficiency
 from .._targets.targets import Speeds
 from .hlo import Computation, Instruction, Module, nbytes
 from .host_work import host_computation_bandwidth
@@ -23,11 +27,25 @@ def kernel_seconds(s: Speeds, work: Work) -> float:
     if work.host:  # our AdamW kernel, inlined where the host is the device (XLA:CPU)
         bandwidth = host_computation_bandwidth(s)
     return s.kernel_launch + max(
-        work.flops / (s.flops * (work.efficiency or s.efficiency)),
+        compute_seconds(s, work),
         work.device_bytes / bandwidth,
         work.host_read / s.h2d_bandwidth,
         work.host_write / s.d2h_bandwidth,
     )
+
+
+def compute_seconds(s: Speeds, work: Work) -> float:
+    """A kernel's FLOPs over the rate they run at: each dot's at the efficiency of its
+    shape where the target has a table, the rest at the target's constant (or the
+    kernel's own)."""
+    if work.efficiency or s.matmul_efficiency is None or not work.matmuls:
+        return work.flops / (s.flops * (work.efficiency or s.efficiency))
+    shaped = sum(d.flops for d in work.matmuls)
+    seconds = sum(
+        d.flops / (s.flops * matmul_efficiency(s, d.m, d.n, d.k, d.dtype, d.batch))
+        for d in work.matmuls
+    )
+    return seconds + max(work.flops - shaped, 0.0) / (s.flops * s.efficiency)
 
 
 def collective_seconds(

@@ -6,7 +6,8 @@ candidates with it (a `Load` adds and subtracts, so the load of a plan is compos
 the loads of plans that differ from it in one choice). Per phase:
 
 - compute: each matmul takes `max(flops / (peak x efficiency), bytes / HBM bandwidth)`
-  (a roofline), every other equation `bytes written / HBM bandwidth`;
+  (a roofline; the efficiency of a `dot_general` by its shape where the target has a
+  table, `ox.matmul_efficiency`), every other equation `bytes written / HBM bandwidth`;
 - link: host-to-device bytes / h2d bandwidth and device-to-host bytes / d2h
   bandwidth, the two directions at once (PCIe is full duplex);
 - host: work run on the host (`compute_on("device_host")`) at the host's rates;
@@ -22,6 +23,7 @@ collectives. `schedule.py` prices the compiled program instead.
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +33,7 @@ from .._inspect.program_audit import audit_traced_for
 from .._inspect.transfer_report import Transfer
 from .._jit.jit import FilterJit
 from .._targets.calibrate import cpu_speeds
+from .._targets.speeds import matmul_efficiency
 from .._targets.targets import Speeds, Target
 from .flops import PhaseWork, count_work, kernel_table
 from .host_work import host_computation_bandwidth
@@ -130,6 +133,11 @@ def _work(jaxpr: Any, speeds: Speeds, constants: Mapping[Any, Any]) -> Mapping[s
         host_byte_rate=host_computation_bandwidth(speeds),
         peak_flop_rate=speeds.flops,
         constants=dict(constants),
+        matmul_efficiency=(
+            None
+            if speeds.matmul_efficiency is None
+            else functools.partial(matmul_efficiency, speeds)
+        ),
     )
 
 

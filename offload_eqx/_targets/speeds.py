@@ -2,8 +2,11 @@
 themselves, with their sources, are beside the targets in `targets.py`)."""
 
 import dataclasses
+from typing import Any
 
 import numpy as np
+
+from .matmul_efficiency import MatmulEfficiency, canonical_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,7 +16,13 @@ class Speeds:
 
     - `flops`: peak dense matrix-multiply rate of the device, FLOP/s (bf16).
     - `efficiency`: the fraction of `flops` a training step's matmuls reach (an
-        assumption: the MFU that well-tuned LLM training reports on the chip).
+        assumption: the MFU that well-tuned LLM training reports on the chip), where
+        `matmul_efficiency` is None; with a table, the rate of the matmuls it has no
+        shape for (convolutions, Pallas kernels).
+    - `matmul_efficiency`: an `ox.MatmulEfficiency`, the fraction of `flops` each
+        matmul reaches from its shape (M, N, K, dtype); None: `efficiency` for every
+        matmul. `StepEstimate.with_speeds(efficiency=...)` sets it to None, so that a
+        constant given by hand prices every matmul (`Speeds.replace`).
     - `memory_bandwidth`: device memory (HBM) bandwidth, bytes/s.
     - `h2d_bandwidth`, `d2h_bandwidth`: the host link, host-to-device and
         device-to-host, bytes/s (the two directions run at once).
@@ -37,8 +46,8 @@ class Speeds:
         transposes run near it).
     - `source`: where the figures come from, one line.
 
-    The jaxpr count (`ox.estimate(..., compile=False)`) uses the first eight; the
-    compiled-program simulation all of them.
+    The jaxpr count (`ox.estimate(..., compile=False)`) uses the first eight and
+    `matmul_efficiency`; the compiled-program simulation all of them.
     """
 
     flops: float
@@ -56,11 +65,20 @@ class Speeds:
     transpose_bandwidth: float = 0.0
     host_threads: int = 0
     host_thread_bandwidth: float = 0.0
+    matmul_efficiency: MatmulEfficiency | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "source":
+                continue
+            if field.name == "matmul_efficiency":
+                if value is not None and not isinstance(value, MatmulEfficiency):
+                    raise ValueError(
+                        f"ox.Speeds(matmul_efficiency={value!r}): expected an "
+                        "`ox.MatmulEfficiency` (the fraction of peak by a matmul's shape) "
+                        "or None (every matmul at `efficiency`)."
+                    )
                 continue
             if field.name == "host_threads" and not _whole(value):
                 raise ValueError(
@@ -78,6 +96,27 @@ class Speeds:
                     "divides a step's work, so a zero, negative or missing one cannot "
                     "price it; take the chip's published figure (see `ox.TARGETS`' own)."
                 )
+
+    def replace(self, **changes: Any) -> "Speeds":
+        """These speeds with `changes`; setting `efficiency` without `matmul_efficiency`
+        prices every matmul at that constant (the table is dropped), so that a figure
+        given by hand, `efficiency=0.5`, means what it says."""
+        if "efficiency" in changes:
+            changes.setdefault("matmul_efficiency", None)
+        return dataclasses.replace(self, **changes)
+
+
+def matmul_efficiency(
+    speeds: Speeds, m: int, n: int, k: int, dtype: object, batch: int = 1
+) -> float:
+    """The fraction of `speeds.flops` an (`m` x `k`) by (`k` x `n`) matmul of `dtype`
+    inputs reaches (`batch` of them in one kernel): by `speeds.matmul_efficiency` where
+    there is a table, else `speeds.efficiency`. Both of `ox.estimate`'s pricers (the
+    jaxpr count and the compiled simulation) ask this one function."""
+    table = speeds.matmul_efficiency
+    if table is None or min(m, n, k, batch) <= 0:
+        return speeds.efficiency
+    return table(m, n, k, canonical_dtype(dtype), batch)
 
 
 _MAY_BE_ZERO = (

@@ -24,6 +24,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from .matmul_efficiency import H100_MATMUL
 from .speeds import Speeds
 
 Platform = Literal["cpu", "cuda", "tpu"]
@@ -150,8 +151,11 @@ _HOST_THREAD = 20 * _G
 # measures it: about 35 GB/s host-to-device, 53 GB/s device-to-host. Host: a DGX H100
 # (NVIDIA DGX H100 datasheet: 2 TB memory, 2x Xeon Platinum 8480C, 112 cores) shared by 8
 # GPUs: 14 cores at 2.0 GHz x 64 FP32 FLOP/cycle (2 AVX-512 FMA units) = 1.8 TFLOP/s, and
-# 2 sockets x 8 channels of DDR5-4800 (614 GB/s) / 8 = 77 GB/s. Efficiency: an assumption,
-# the ~50% MFU that tuned LLM training reports on H100s.
+# 2 sockets x 8 channels of DDR5-4800 (614 GB/s) / 8 = 77 GB/s. Matmuls: by their shape
+# (`matmul_efficiency.H100_MATMUL`: tile and wave quantization over 132 SMs, 0.73 of peak
+# for a large GEMM as measured on an H100); `efficiency`, the ~50% MFU that tuned LLM
+# training reports on H100s, is what `with_speeds(efficiency=...)` replaces it with and
+# what prices the matmuls without a shape (convolutions, Pallas kernels).
 _H100_SPEEDS = Speeds(
     flops=989 * _T,
     efficiency=0.5,
@@ -174,6 +178,7 @@ _H100_SPEEDS = Speeds(
     # a DGX H100's 112 cores shared by 8 GPUs, 14 each, at _HOST_THREAD apiece.
     host_threads=14,
     host_thread_bandwidth=_HOST_THREAD,
+    matmul_efficiency=H100_MATMUL,
 )
 # NVIDIA GH200 Grace Hopper Superchip (NVIDIA GH200 datasheet), 96GB HBM3 version: its
 # H100 GPU (989 TFLOP/s dense BF16) with 4 TB/s HBM3, and the Grace CPU beside it over
@@ -181,7 +186,8 @@ _H100_SPEEDS = Speeds(
 # gets 35/53. Grace: 72 Arm Neoverse V2 cores and up to 480 GB of LPDDR5X at up to
 # 512 GB/s, all of it this GPU's; FP32 7.1 TFLOP/s (the Grace CPU Superchip datasheet's
 # 7.1 TFLOP/s FP64 for 144 cores, halved for 72, doubled for FP32). Kernel launch as
-# measured on the H100; interconnect NVLink 4, as the H100.
+# measured on the H100; interconnect NVLink 4, and matmuls by shape, as the H100 (the
+# same GPU: 132 SMs at the same 989 TFLOP/s).
 _GH200_SPEEDS = dataclasses.replace(
     _H100_SPEEDS,
     memory_bandwidth=4000 * _G,
@@ -196,7 +202,9 @@ _GH200_SPEEDS = dataclasses.replace(
 # NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (A100 datasheet). PCIe Gen4
 # x16: about 25 GB/s each way (half of Gen5). Host: a DGX A100 (2 TB, 2x EPYC 7742, 128
 # cores) shared by 8 GPUs: 16 cores x 2.25 GHz x 32 FP32 FLOP/cycle = 1.15 TFLOP/s; 2 x 8
-# channels of DDR4-3200 (410 GB/s) / 8 = 51 GB/s. Efficiency: assumed, as for the H100.
+# channels of DDR4-3200 (410 GB/s) / 8 = 51 GB/s. Efficiency: assumed, as for the H100;
+# no table by shape (`matmul_efficiency`): no A100 measurement of a large GEMM's fraction
+# of peak is at hand to anchor one, so every matmul is at the constant.
 _A100_SPEEDS = Speeds(
     flops=312 * _T,
     efficiency=0.5,
@@ -215,7 +223,9 @@ _A100_SPEEDS = Speeds(
 # link is not published: assumed 32 GB/s each way (PCIe Gen4 x16 class). Host: a
 # ct5p-hightpu-4t VM (208 vCPUs, 448 GB, 4 chips): 26 cores x 2.0 GHz x 64 FP32 FLOP/cycle
 # = 3.3 TFLOP/s and 112 GB per chip; memory bandwidth 2 x 8 channels DDR5-4800 / 4 = 154
-# GB/s. Efficiency: assumed 0.55, the MFU MaxText reports for dense LLMs on v5p.
+# GB/s. Efficiency: assumed 0.55, the MFU MaxText reports for dense LLMs on v5p, for every
+# matmul: Google publishes no MXU utilisation by matmul shape that a table could hold
+# (none found), so the TPUs keep the constant (`matmul_efficiency` None).
 _V5P_SPEEDS = Speeds(
     flops=459 * _T,
     efficiency=0.55,
