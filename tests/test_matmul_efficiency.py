@@ -181,3 +181,74 @@ def test_the_gpu_check_matmul_part_runs_on_a_cpu():
         assert row["measured"] > 0 and row["seconds"] > 0
     assert result["peak_flops"] == _h100().flops
     assert len(MATMUL_SHAPES) >= 8
+
+
+# -- the compiled text's dots ------------------------------------------------------------
+
+# Round rates and a table of 1 SM with 128 x 256 tiles at 0.5, so each time is by hand.
+ROUND = ox.Speeds(
+    flops=1e12,
+    efficiency=1.0,
+    memory_bandwidth=1e15,
+    h2d_bandwidth=1e9,
+    d2h_bandwidth=1e9,
+    host_flops=1e10,
+    host_bandwidth=1e9,
+    host_memory=2**34,
+    matmul_efficiency=ox.MatmulEfficiency(0.5, (128, 256), 1, (("float32", 0.5),)),
+)
+
+CUBLAS = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[64,512], b: bf16[512,256]) -> bf16[64,256] {
+  %a = bf16[64,512]{1,0} parameter(0)
+  %b = bf16[512,256]{1,0} parameter(1)
+  %gemm = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = bf16[64,256]{1,0} get-tuple-element(%gemm), index=0
+}
+"""
+
+BATCHED = """HloModule m, is_scheduled=true
+
+%two_dots (p0: f32[4,128,64], p1: f32[4,64,256], p2: bf16[256,512]) -> bf16[512,512] {
+  %p0 = f32[4,128,64]{2,1,0} parameter(0)
+  %p1 = f32[4,64,256]{2,1,0} parameter(1)
+  %d0 = f32[4,128,256]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  %r = bf16[512,256]{1,0} bitcast(%d0)
+  %p2 = bf16[256,512]{1,0} parameter(2)
+  ROOT %d1 = bf16[512,512]{1,0} dot(%r, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[4,128,64], b: f32[4,64,256], c: bf16[256,512]) -> bf16[512,512] {
+  %a = f32[4,128,64]{2,1,0} parameter(0)
+  %b = f32[4,64,256]{2,1,0} parameter(1)
+  %c = bf16[256,512]{1,0} parameter(2)
+  ROOT %f = bf16[512,512]{1,0} fusion(%a, %b, %c), kind=kCustom, calls=%two_dots
+}
+"""
+
+
+def test_a_cublas_call_is_priced_by_the_shape_in_its_backend_config():
+    from offload_eqx._planning.schedule import simulate
+
+    sim = simulate(CUBLAS, ROUND)
+    flops = 2.0 * 64 * 256 * 512
+    # 64 x 256 fills half of one 128 x 256 tile on the one SM: 0.5 x 0.5.
+    assert ox.matmul_efficiency(ROUND, 64, 256, 512, "bf16") == 0.25
+    assert sim.flops == flops
+    assert sim.seconds == pytest.approx(flops / (1e12 * 0.25))
+
+
+def test_each_dot_of_a_fusion_runs_at_its_own_shape_and_type():
+    from offload_eqx._planning.schedule import simulate
+
+    batched, plain = 2.0 * 4 * 128 * 256 * 64, 2.0 * 512 * 512 * 256
+    # 4 float32 products of 128 x 256: 4 whole tiles, one SM, at TF32's half rate: 0.25;
+    # 512 x 512 in bf16: 8 whole tiles: 0.5.
+    assert ox.matmul_efficiency(ROUND, 128, 256, 64, "f32", batch=4) == 0.25
+    expected = batched / (1e12 * 0.25) + plain / (1e12 * 0.5)
+    assert simulate(BATCHED, ROUND).seconds == pytest.approx(expected)
+    # Without the table, one constant: the pricing of before.
+    constant = ROUND.replace(efficiency=1.0)
+    assert constant.matmul_efficiency is None
+    assert simulate(BATCHED, constant).seconds == pytest.approx((batched + plain) / 1e12)
