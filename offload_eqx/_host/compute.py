@@ -28,7 +28,7 @@ the audit and the work counter recognise host work.
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -48,6 +48,7 @@ from .calls import (
     device_aval,
     slots_of,
 )
+from .remat_limit import remat_limit_options
 
 NAME_SCOPE = "ox_host"  # `ox_host[optimizer update]` names a host computation
 
@@ -172,18 +173,35 @@ OVERLAP_OPTIONS: dict[str, Any] = {
 }
 
 
-def compiler_options(jaxpr: Any, platform: str) -> dict[str, Any] | None:
-    """The XLA options a step is compiled with: `OVERLAP_OPTIONS` for a step with a
-    delayed host update on XLA:GPU (`platform` `"cuda"` for a target, `"gpu"` for a
-    device), so that its host computation overlaps the loops; None (the defaults)
-    otherwise. An undelayed host update waits for every gradient, so there is nothing to
-    overlap, and the scheduler's extra prefetching costs device memory (the 8B decoder's
-    hybrid host update, h100: 2.29 GiB under these options, 1.83 GiB without)."""
+def compiler_options(
+    jaxpr: Any,
+    platform: str,
+    device_memory: int | None = None,
+    donated: Sequence[int] | None = None,
+    out_memories: Sequence[str] | None = None,
+) -> dict[str, Any] | None:
+    """The XLA options a step is compiled with (None: the defaults), on XLA:GPU
+    (`platform` `"cuda"` for a target, `"gpu"` for a device):
+
+    - `OVERLAP_OPTIONS` for a step with a delayed host update, so that its host
+      computation overlaps the loops. An undelayed host update waits for every gradient,
+      so there is nothing to overlap, and the scheduler's extra prefetching costs device
+      memory (the 8B decoder's hybrid host update, h100: 2.29 GiB under these options,
+      1.83 GiB without).
+    - For a step that holds host memory, the rematerialization limit raised by the host
+      bytes XLA:GPU charges to the device (`remat_limit`), so that XLA recomputes no
+      work the plan did not ask for while the device's own buffers are held to the limit
+      they had. `device_memory` is the memory the compiler's target description gives
+      (deviceless compiles; None on a GPU, whose allocator limit is read), `donated` the
+      donated arguments and `out_memories` each result's memory when the compile places
+      results itself (None: as traced)."""
+    options: dict[str, Any] = {}
     if platform in ("cuda", "gpu") and any(
         name.startswith(DELAYED) for name in host_computations(jaxpr)
     ):
-        return dict(OVERLAP_OPTIONS)
-    return None
+        options.update(OVERLAP_OPTIONS)
+    options.update(remat_limit_options(jaxpr, platform, device_memory, donated, out_memories))
+    return options or None
 
 
 def is_host_computation(eqn: Any) -> bool:

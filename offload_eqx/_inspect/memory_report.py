@@ -45,6 +45,7 @@ from .._targets.deviceless import (
 )
 from .._targets.devices import require_compiler
 from .._targets.targets import TARGETS, Target, get_target
+from .recomputed import Recomputed, describe, recomputed
 from .workspaces import unsized_workspaces, workspace_note
 
 _BAD_PROGRAM = (
@@ -81,6 +82,9 @@ class MemoryReport:
     `compiler_faults` names the known faults of the installed XLA in this program, a
     sentence each (empty when none): the figures stay right, but a GPU run of it would
     not be (openxla/xla#46231 on jaxlib 0.10.2 and 0.11.0), and `ox.filter_jit` refuses it.
+    `recomputed` lists the work XLA recomputed on its own to stay under the memory limit
+    it computed (its rematerialization's clones, `Recomputed`: name, op, FLOPs a
+    step): empty for a program that fits with room to spare.
     `print` a report for a table; `as_dict()` for JSON.
     """
 
@@ -98,6 +102,8 @@ class MemoryReport:
     notes: tuple[str, ...] = ()
     # Known faults of the installed XLA in this program (`_targets/compiler_faults`).
     compiler_faults: tuple[str, ...] = ()
+    # XLA's rematerialized clones (`recomputed.py`); printed under the table.
+    recomputed: tuple[Recomputed, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -145,6 +151,7 @@ class MemoryReport:
             "fits": self.fits,
             "notes": list(self.notes),
             "compiler_faults": list(self.compiler_faults),
+            "recomputed": [clone.as_dict() for clone in self.recomputed],
         }
 
     def __str__(self) -> str:
@@ -169,7 +176,9 @@ class MemoryReport:
                 f"mesh {_describe(self.mesh)} ({self.devices} devices, each needs this)"
             )
         table = format_table(header, rows, numeric=True)
-        return "\n".join([title, table, self.fit_line(), *(f"Note: {n}" for n in self.notes)])
+        clones = describe(self.recomputed)
+        lines = [title, table, self.fit_line(), *(f"Note: {n}" for n in self.notes)]
+        return "\n".join(lines + ([f"Note: {clones}"] if clones else []))
 
     __repr__ = __str__
 
@@ -250,6 +259,7 @@ def compiled_report(program: Program, target: Target, name: str) -> tuple[Memory
         compiler_log=tuple(log),
         notes=_notes(compiled, target),
         compiler_faults=faults_of(compiled, target),
+        recomputed=recomputed(compiled.as_text() or ""),
     )
     return report, compiled
 

@@ -13,3 +13,7 @@
 
 May import every layer below it, up to `_inspect`.
 """
+
+# The compiled-module reader lists XLA's rematerialized clones for the memory reports
+# (`_inspect/recomputed.py`), which cannot import this layer.
+from . import recomputed as recomputed  # noqa: E402

@@ -44,7 +44,7 @@ from .._sharding.memory_space import is_host_aval
 from .._sharding.mesh import AnyMesh, resolve_mesh
 from .callbacks import lower_callbacks_as_zeros_in_deviceless_gpu_compiles
 from .compile_memo import compile_once
-from .devices import mesh_on_target, target_mesh, trace_on_target, uses_abstract_mesh
+from .devices import _config_text, mesh_on_target, target_mesh, trace_on_target, uses_abstract_mesh
 from .isolated import in_child
 from .targets import Target
 
@@ -332,8 +332,10 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
         flat = _evaluated_here(flat, context_mesh())
 
     def compile_with(out_shardings: list | None, isolate: bool = True) -> Any:
-        xla_options = compiler_options(traced.jaxpr, target.platform)
         donated = program.donated_on(target.platform, traced.jaxpr)
+        xla_options = compiler_options(
+            traced.jaxpr, target.platform, _described_memory(target), donated, out_memories
+        )
         options: dict[str, Any] = {
             "donate_argnums": donated,
             "keep_unused": bool(donated),  # as the step compiles it (`_jit.compile`)
@@ -370,6 +372,15 @@ def compile_for(program: Program, target: Target, log: list[str]) -> Any:
             ]
         out_shardings = [None if s is None else sharding(m, s) for s, m in zip(specs, out_memories)]
         return compile_with(out_shardings)
+
+
+def _described_memory(target: Target) -> int | None:
+    """The device memory a GPU target's description gives its compiler
+    (`device_memory_size`), which XLA:GPU's rematerialization limit starts from."""
+    if target.platform != "cuda":
+        return None
+    found = re.search(r"^\s*device_memory_size:\s*(\d+)", _config_text(target), re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 def memory_fields(stats: Any) -> tuple[dict[str, int], dict[str, int]]:
