@@ -10,7 +10,6 @@ the next region saves its input whatever the policy. So the region that receives
 value renames it at its boundary, inside, where the policy applies to it.
 """
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +19,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .._declare.activations import check_name
-from .._host.compute import on_host
 from .._plan.plan import Plan
 from .._plan.remat_policy import OX_SCAN_SCOPE
 from .._plan.walk import format_keys
-from .._sharding.memory_space import is_host_typed, to_device, to_host
+from .._sharding.memory_space import is_host_typed, to_device
 from .argument_writes import Snapshot, refuse_layer_writes, write_back
 from .fetches import fetch_captured, fetched, labels_of
+from .segments import segmented
 from .state import (
     active_plan,
     argument_path,
@@ -330,27 +329,40 @@ def scan(
     # Each layer's leaves are slices of the stacked argument leaves: the same labels.
     labels = jax.tree_util.tree_leaves(eqx.combine(label_tree, static))
 
+    def layer_step(policy):
+        region = _region(plan, has_host, False, out_names, policy, labels, in_loop=True)
+
+        def step(carry, layer_dynamic, args, kwargs):
+            layer = eqx.combine(layer_dynamic, static)
+            return region(layer, (carry, *args), kwargs, carry_names)
+
+        return step
+
     def run(carry, dynamic, args, kwargs):
-        # One scan per segment of layers with its own policy (one, unless a name's policy
-        # is split by layers); the stacked leaves are split, whose transpose concatenates.
-        cuts = [start for start, _, _ in segments[1:]]
-        parts = [dynamic]
-        if cuts:
-            split = jax.tree_util.tree_map(lambda x: _split_layers(x, tuple(cuts)), dynamic)
-            parts = [
-                jax.tree_util.tree_map(lambda pieces: pieces[i], split, is_leaf=_is_list)
-                for i in range(len(segments))
-            ]
-        for part, (_, _, policy) in zip(parts, segments):
-
-            def step(carry, layer_dynamic, policy=policy):
-                layer = eqx.combine(layer_dynamic, static)
-                region = _region(plan, has_host, False, out_names, policy, labels, in_loop=True)
-                return region(layer, (carry, *args), kwargs, carry_names), None
-
+        if len(segments) == 1:
+            call = layer_step(segments[0][2])
             with jax.named_scope(OX_SCAN_SCOPE):
-                carry = jax.lax.scan(step, carry, part, unroll=unroll)[0]
-        return carry
+                return jax.lax.scan(
+                    lambda c, layer: (call(c, layer, args, kwargs), None),
+                    carry,
+                    dynamic,
+                    unroll=unroll,
+                )[0]
+        # One scan per segment of layers with its own policy (a name's policy split by
+        # layers), the stacked leaves' gradient written in place (`segmented`).
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        arrays, others = eqx.partition((args, kwargs), eqx.is_array)
+        const_leaves, const_tree = jax.tree_util.tree_flatten(arrays)
+        steps = {id(policy): layer_step(policy) for _, _, policy in segments}
+
+        def call_segment(carry, layer_leaves, consts, policy):
+            layer_dynamic = jax.tree_util.tree_unflatten(tree, layer_leaves)
+            call_args, call_kwargs = eqx.combine(
+                jax.tree_util.tree_unflatten(const_tree, consts), others
+            )
+            return steps[id(policy)](carry, layer_dynamic, call_args, call_kwargs)
+
+        return segmented(call_segment, carry, leaves, const_leaves, segments, unroll)
 
     if plan.offloads_activations and _explicit_mesh(carry):
         # XLA cannot compile an offloaded residual that the partitioner reshards under
@@ -370,37 +382,6 @@ def scan(
         carry = run(carry, dynamic, args, kwargs)
     _note_outputs(carry, out_names)
     return carry
-
-
-def _split_layers(x: Any, cuts: tuple[int, ...]) -> list:
-    """A stacked leaf split at `cuts` along its layer axis. In host memory the split and
-    its transpose (a concatenation of the segments' gradients) are host computations of
-    their own: XLA would otherwise turn them into host compute with a warning each."""
-    if not is_host_typed(x):
-        return jnp.split(x, cuts)
-    return list(_host_split(x, cuts))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _host_split(x: Any, cuts: tuple[int, ...]) -> tuple:
-    return tuple(on_host(lambda x: jnp.split(x, cuts), x, flatten=False, name="layer split"))
-
-
-def _host_split_forward(x: Any, cuts: tuple[int, ...]) -> tuple:
-    return _host_split(x, cuts), None
-
-
-def _host_split_backward(cuts: tuple[int, ...], _: None, cotangents: tuple) -> tuple:
-    pieces = [to_host(c) for c in cotangents]
-    joined = on_host(lambda *p: jnp.concatenate(p), *pieces, flatten=False, name="layer join")
-    return (joined,)
-
-
-_host_split.defvjp(_host_split_forward, _host_split_backward)
-
-
-def _is_list(x: Any) -> bool:
-    return isinstance(x, list)
 
 
 def _explicit_mesh(tree: Any) -> bool:
