@@ -64,6 +64,13 @@ def _clone_names(text: str) -> list[str]:
     return names
 
 
+def _flops(flops: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
 def describe(clones: tuple[Recomputed, ...]) -> str | None:
     """A sentence for a report: how much XLA recomputed on its own, and where."""
     if not clones:
@@ -76,7 +83,7 @@ def describe(clones: tuple[Recomputed, ...]) -> str | None:
     largest = max(clones, key=lambda c: c.flops)
     count = f"{len(clones)} instruction{'s' if len(clones) > 1 else ''}"
     return (
-        f"XLA recomputed {count} on its own ({kinds}; {flops / 1e9:,.4g} GFLOP a step, "
+        f"XLA recomputed {count} on its own ({kinds}; {_flops(flops)} a step, "
         f"the most in {largest.instruction!r}), "
         "rematerializing to stay under the memory limit it computed; no plan asked for "
         "this work."
