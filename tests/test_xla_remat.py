@@ -124,7 +124,9 @@ def test_memory_report_lists_xla_clones_with_their_flops(tmp_path):
     (clone,) = report.recomputed
     assert ".remat" in clone.instruction and clone.op == "fusion (matmul)", clone
     assert clone.flops == REUSED_FLOPS and clone.runs == 1, clone
-    assert "XLA recomputed 1 instruction on its own (1 fusion (matmul); 8.59 GFLOP a step" in str(report)
+    assert "XLA recomputed 1 instruction on its own (1 fusion (matmul); 8.59 GFLOP a step" in str(
+        report
+    )
     assert report.as_dict()["recomputed"] == [clone.as_dict()]
     roomy = ox.memory_report(reused_matmul, *REUSED, target="h100")
     assert roomy.recomputed == () and "recomputed" not in str(roomy)
