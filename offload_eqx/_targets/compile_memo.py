@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._base.jax_private import persistent_cache_min_compile_time_secs
+from .._host.overlap_schedule import overlapped
 from .compiler_faults import compile_checked
 from .devices import attached_devices
 from .targets import Target
@@ -38,7 +39,14 @@ _compiled: collections.OrderedDict[tuple, tuple[Any, tuple[str, ...]]] = collect
 def _key(lowered: Any, target: Target, options: dict[str, Any] | None) -> tuple:
     text = lowered.as_text()
     digest = hashlib.sha256(text.encode()).hexdigest()
-    compiler = (target.platform, target.topology, target.config, target.chips_per_host)
+    # The capacity too: a delayed host update's schedule is chosen within it (`overlapped`).
+    compiler = (
+        target.platform,
+        target.topology,
+        target.config,
+        target.chips_per_host,
+        target.capacity,
+    )
     return (digest, compiler, tuple(sorted((options or {}).items())))
 
 
@@ -59,6 +67,12 @@ def compile_once(
         caught: list[str] = []
         with capture(caught), _kept_out_of_the_persistent_cache_if_deviceless(target):
             compiled = compile_checked(lowered, target)  # openxla/xla#49299 in our words
+            compiled = overlapped(  # a delayed host update spans the step on XLA:GPU
+                compiled,
+                options,
+                lambda o: compile_checked(lowered, target, compiler_options=o),
+                target.capacity,
+            )
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)

@@ -124,12 +124,12 @@ def no_tile_fault(error: BaseException, lowered: Any, target: Target) -> Excepti
     )
 
 
-def compile_checked(lowered: Any, target: Target) -> Any:
-    """`lowered.compile()`, with XLA:GPU's known failed compiles (the annotator's,
-    openxla/xla#49299; Triton's untileable small dot) raised as a `CompilerFaultError`
-    in our words."""
+def compile_checked(lowered: Any, target: Target, **options: Any) -> Any:
+    """`lowered.compile(**options)`, with XLA:GPU's known failed compiles (the
+    annotator's, openxla/xla#49299; Triton's untileable small dot) raised as a
+    `CompilerFaultError` in our words."""
     try:
-        return lowered.compile()
+        return lowered.compile(**options)
     except Exception as error:
         ours = annotator_fault(error, lowered, target) or no_tile_fault(error, lowered, target)
         if ours is None:
