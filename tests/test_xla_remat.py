@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import offload_eqx as ox
 from offload_eqx._host import compute
@@ -153,3 +154,24 @@ def test_the_slop_factor_adds_the_host_results_over_the_devices_room():
     assert remat_limit_options(closed, "cuda", 1 * MiB) == {}  # no room: XLA's own limit
     device_only = jax.make_jaxpr(jnp.sin)(jnp.zeros((256, 256), jnp.float32))
     assert remat_limit_options(device_only, "cuda", device_memory) == {}
+
+
+def test_offloaded_activation_stacks_are_charged_host_bytes():
+    """A scan's offloaded residuals are one host stack, live from the forward loop to the
+    backward one: XLA's pass charges it, so the slop factor counts it."""
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["x"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+    def loss(ws, h):
+        def body(c, w):
+            return jnp.tanh(checkpoint_name(jnp.sin(c @ w), "x")), None
+
+        h, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), h, ws)
+        return jnp.sum(h)
+
+    closed = jax.make_jaxpr(jax.grad(loss))(jnp.zeros((4, 64, 64)), jnp.zeros((8, 64)))
+    assert charged_host_bytes(closed) == 4 * 8 * 64 * 4  # 4 layers' x, float32
