@@ -197,13 +197,15 @@ def dot_shape(
 #   `benchmarks/gpu_check.py` (4 matmuls of 12288 x 12288 x 12288 in bf16) ran its matmuls
 #   at about 73% of the 989 TFLOP/s peak (benchmarks/README.md, "Predicted against
 #   measured"). That shape fills 4608 of its 35 waves' 4620 tile-slots (0.997), so the
-#   measured fraction is `large` itself. No published H100 figure was found that states
-#   cuBLAS's fraction of peak per shape in numbers (NVIDIA's cuBLAS 12.0 Hopper post
-#   gives it in charts); `benchmarks/gpu_check.py --parts matmuls` measures the shapes of
+#   measured fraction is `large` itself. No published figure of cuBLAS's fraction of an
+#   H100's peak by shape, in numbers, was found where we searched (NVIDIA's "New cuBLAS
+#   12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs" post and
+#   the guide above); `benchmarks/gpu_check.py --parts matmuls` measures the shapes of
 #   `MATMUL_SHAPES` to check the table on the next lent GPU.
-# - `dtype_rates`: float32 is multiplied in TF32 by default (XLA:GPU), whose dense peak is
-#   494.7 TFLOP/s, half of bf16's (H100 datasheet, the figures without sparsity); float64
-#   on the FP64 tensor cores at 67 TFLOP/s.
+# - `dtype_rates`: float32 is multiplied in TF32 by default (XLA:GPU), whose peak is half
+#   of bf16's (H100 SXM datasheet: TF32 989 TFLOP/s with sparsity, BF16 1,979 with
+#   sparsity, each dense rate half of that); float64 on the FP64 tensor cores at 67
+#   TFLOP/s.
 H100_MATMUL = MatmulEfficiency(
     large=0.73,
     tile=(128, 256),
