@@ -11,10 +11,12 @@ compile.
 
 import os
 import stat
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -177,3 +179,52 @@ def test_steps_without_a_delayed_host_update_compile_once():
     assert overlap_schedule.overlapped(first, {"xla_foo": 1}, recompile, None) is first
     assert not calls
     assert overlap_schedule.wants_overlap(dict(OVERLAP_OPTIONS, other=True))
+
+
+def _cpu_step():
+    """A delayed host update on this machine's CPU (where it is inlined: no host call)."""
+    model: Any = Stack(Block([jnp.full((LAYERS, 8, 8), 0.1, jnp.float32)] * 2))
+    opt = ox.offload_optimizer(optax.adam(1e-2), update_on="host", delay=1)
+    state = opt.init(model)
+    x = jnp.ones((4, 8))
+
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    return step, (model, state, x)
+
+
+def test_on_a_gpu_the_step_is_compiled_again_with_the_profile_at_its_first_call(monkeypatch):
+    """The GPU path, on this CPU: the platform check and the call's name are made to say
+    GPU; the first call compiles twice (the second with the profile), later calls none,
+    and the results are the step's."""
+    import offload_eqx._jit.compile as compile_module
+    import offload_eqx._jit.spanning as spanning
+
+    monkeypatch.setattr(spanning, "runs_on_gpu", lambda device: True)
+    monkeypatch.setattr(compile_module, "compiler_options", lambda *a, **k: dict(OVERLAP_OPTIONS))
+    monkeypatch.setattr(overlap_schedule, "delayed_starts", lambda text: ["host-call.1.start"])
+    profiles = []
+    real = jax.jit
+
+    def recording_jit(*args, **kwargs):
+        options = kwargs.get("compiler_options") or {}
+        if overlap_schedule.PROFILE_OPTION in options:
+            with open(options[overlap_schedule.PROFILE_OPTION]) as file:
+                profiles.append(file.read())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module.jax, "jit", recording_jit)
+    step, args = _cpu_step()
+    expected = jax.jit(step)(*args)
+    spanning_step = ox.filter_jit(step)
+    result = spanning_step(*args)
+    entry = spanning_step.compilation(*args)[0]
+    assert not isinstance(entry.jitted, spanning._SpanningAtFirstCall)  # chosen once
+    assert entry.jitted._cache_size() == 1  # the ahead compile, reused by the call
+    spanning_step(*args)
+    assert entry.jitted._cache_size() == 1
+    assert profiles == ['costs { name: "host-call.1.start" cost_us: 1000000000.0 }\n']
+    for a, b in zip(jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(a, b)

@@ -45,6 +45,7 @@ from .miscompiled import refuse_miscompiled
 from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
+from .spanning import span_delayed_update
 
 # A host-resident output is built on the host when what it reads of the device is at
 # most this many bytes (a PRNG key, a shape): the model never exists on the device.
@@ -329,17 +330,23 @@ def compile_entry(
     out_shardings = plan.output_shardings(
         out_treedef, out_mask, out_avals, plan.device, created, donated, to_jit
     )
-    jitted = jax.jit(
-        program,
-        in_shardings=plan.argument_shardings(to_jit),
-        out_shardings=list(out_shardings),
-        donate_argnums=donated,
-        # A donated argument the program does not read (the parameters an optimizer with
-        # masters writes anew) is kept, so that its buffer takes the new value in place;
-        # pruned, its donation is lost and every step allocates the output afresh.
-        keep_unused=bool(donated),
-        compiler_options=compiler_options(closed, platform),
-    )
+
+    def jit_with(options: dict[str, Any] | None) -> Any:
+        return jax.jit(
+            program,
+            in_shardings=plan.argument_shardings(to_jit),
+            out_shardings=list(out_shardings),
+            donate_argnums=donated,
+            # A donated argument the program does not read (the parameters an optimizer
+            # with masters writes anew) is kept, so that its buffer takes the new value
+            # in place; pruned, its donation is lost and every step allocates the output
+            # afresh.
+            keep_unused=bool(donated),
+            compiler_options=options,
+        )
+
+    options = compiler_options(closed, platform)
+    jitted = jit_with(options)
     entry = Compilation(
         jitted=jitted,
         flat=program,
@@ -356,6 +363,7 @@ def compile_entry(
         checks=checks_at_run_time(closed),
         donate=donate,
     )
+    entry = span_delayed_update(entry, options, jit_with)  # on a GPU, compiled twice
     return refuse_miscompiled(entry, caller)  # on a GPU with a release known to miscompile
 
 
