@@ -110,7 +110,7 @@ class _Compiled:
         )
 
     def memory_analysis(self):
-        return type("Stats", (), {"temp_size_in_bytes": self.temp})()
+        return type("Stats", (), {"temp_size_in_bytes": self.temp, "host_temp_size_in_bytes": 7})()
 
 
 @pytest.mark.parametrize(
@@ -134,12 +134,37 @@ def test_a_spanning_program_that_would_not_fit_is_not_taken(capacity, taken):
     assert len(seen) == 1 and not os.path.exists(seen[0][overlap_schedule.PROFILE_OPTION])
 
 
+def test_a_spanning_program_that_holds_more_host_memory_is_not_taken():
+    first, spanning = _Compiled(100), _Compiled(100)
+    spanning.memory_analysis = lambda: type(  # type: ignore[method-assign]
+        "Stats", (), {"temp_size_in_bytes": 100, "host_temp_size_in_bytes": 8}
+    )()
+    result = overlap_schedule.overlapped(first, dict(OVERLAP_OPTIONS), lambda o: spanning, None)
+    assert result is first
+
+
+def test_a_delayed_update_in_slices_is_left_as_compiled():
+    """Its loop's host calls run a trip at a time; the scalar call it leaves in the entry
+    is not spanned (the 70B block stack's host memory grew by 65 GiB when it was)."""
+    text = "\n".join(
+        [
+            "%body (p: s32[]) -> s32[] {",
+            '  %host-call.9.call-start = (s32[]) custom-call-start(%p), metadata={op_name="a/ox_host[delayed x]/c"}',
+            "}",
+            "ENTRY %main (a: s32[]) -> s32[] {",
+            '  %host-call.2.call-start = (s32[]) custom-call-start(%a), metadata={op_name="jit(f)/ox_host[delayed x]/cond"}',
+            "}",
+        ]
+    )
+    assert overlap_schedule.delayed_starts(text) == []
+
+
 def test_only_the_delayed_calls_outside_loops_are_named():
     text = "\n".join(
         [
             "HloModule m",
             "%body (p: s32[]) -> s32[] {",
-            '  %host-call.9.call-start = (s32[]) async-start(%p), metadata={op_name="a/ox_host[delayed x]/c"}',
+            '  %host-call.9.call-start = (s32[]) async-start(%p), metadata={op_name="a/ox_host[x]/c"}',
             "}",
             "",
             "ENTRY %main (a: f32[4]) -> f32[4] {",
