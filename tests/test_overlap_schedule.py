@@ -225,9 +225,9 @@ def test_on_a_gpu_the_step_is_compiled_again_with_the_profile_at_its_first_call(
     GPU; the first call compiles twice (the second with the profile), later calls none,
     and the results are the step's."""
     import offload_eqx._jit.compile as compile_module
-    import offload_eqx._jit.spanning as spanning
+    import offload_eqx._jit.gpu_compiles as gpu_compiles
 
-    monkeypatch.setattr(spanning, "runs_on_gpu", lambda device: True)
+    monkeypatch.setattr(gpu_compiles, "runs_on_gpu", lambda device: True)
     monkeypatch.setattr(compile_module, "compiler_options", lambda *a, **k: dict(OVERLAP_OPTIONS))
     monkeypatch.setattr(overlap_schedule, "delayed_starts", lambda text: ["host-call.1.start"])
     profiles = []
@@ -246,7 +246,7 @@ def test_on_a_gpu_the_step_is_compiled_again_with_the_profile_at_its_first_call(
     spanning_step = ox.filter_jit(step)
     result = spanning_step(*args)
     entry = spanning_step.compilation(*args)[0]
-    assert not isinstance(entry.jitted, spanning._SpanningAtFirstCall)  # chosen once
+    assert not isinstance(entry.jitted, gpu_compiles._ChosenAtFirstCall)  # chosen once
     assert entry.jitted._cache_size() == 1  # the ahead compile, reused by the call
     spanning_step(*args)
     assert entry.jitted._cache_size() == 1

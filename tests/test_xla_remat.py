@@ -175,3 +175,48 @@ def test_offloaded_activation_stacks_are_charged_host_bytes():
 
     closed = jax.make_jaxpr(jax.grad(loss))(jnp.zeros((4, 64, 64)), jnp.zeros((8, 64)))
     assert charged_host_bytes(closed) == 4 * 8 * 64 * 4  # 4 layers' x, float32
+
+
+class _Program:
+    """What `within_capacity` reads of a compiled program: its device memory."""
+
+    def __init__(self, temp: int):
+        self.temp = temp
+
+    def memory_analysis(self):
+        return type("Stats", (), {"temp_size_in_bytes": self.temp})()
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "capacity", "kept"),
+    [
+        (100, 90, 120, "first"),  # fits: compiled once
+        (100, 90, 95, "again"),  # over; XLA's own factor needs less
+        (100, 110, 95, "first"),  # over; XLA's own factor needs more
+        (100, 90, None, "first"),  # capacity unknown
+    ],
+)
+def test_a_raised_factor_never_costs_a_fit(first, again, capacity, kept):
+    """The raised factor raises the scheduler's limit too, which may prefetch more: over
+    the capacity, the program compiled with XLA's own factor is kept where it needs
+    less, and the factor is set back explicitly (options given to a compile add to the
+    jit's)."""
+    from offload_eqx._host.remat_limit import SLOP_OPTION, default_slop, within_capacity
+
+    programs = {"first": _Program(first), "again": _Program(again)}
+    seen = []
+
+    def recompile(options):
+        seen.append(options)
+        return programs["again"]
+
+    options = {SLOP_OPTION: 401, "other": True}
+    compiled, used = within_capacity(programs["first"], options, recompile, capacity)
+    assert compiled is programs[kept]
+    if kept == "again":
+        assert used == {SLOP_OPTION: default_slop(), "other": True}
+    else:
+        assert used is options
+    compiled_again = 0 if capacity is None or first <= capacity else 1
+    assert seen == [{SLOP_OPTION: default_slop(), "other": True}] * compiled_again
+    assert within_capacity(programs["first"], {"other": True}, recompile, 1)[0] is programs["first"]

@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .compute import OVERLAP_OPTIONS
+from .remat_limit import device_bytes
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 # Longer than any training step (about 17 minutes, in the profile's microseconds): the
@@ -144,14 +145,6 @@ def overlapped(
     if fits and device_bytes(spanning, "host_") <= device_bytes(compiled, "host_"):
         return spanning
     return compiled
-
-
-def device_bytes(compiled: Any, memory: str = "") -> int:
-    """The memory a compiled program needs, temp + argument + output - alias: on the
-    device, or in host memory with `memory="host_"`."""
-    stats = compiled.memory_analysis()
-    size = lambda field: int(getattr(stats, f"{memory}{field}_size_in_bytes", 0) or 0)  # noqa: E731
-    return size("temp") + size("argument") + size("output") - size("alias")
 
 
 def wants_overlap(options: Mapping[str, Any]) -> bool:

@@ -40,12 +40,12 @@ from .._sharding.memory_space import (
 )
 from .._sharding.mesh import put, same_place, traced_type
 from .._trace.state import tracing
+from .gpu_compiles import chosen_at_first_call
 from .host_use import complex_saved_error, is_host_use, locate_host_use, saves_complex
 from .miscompiled import refuse_miscompiled
 from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
-from .spanning import span_delayed_update
 
 # A host-resident output is built on the host when what it reads of the device is at
 # most this many bytes (a PRNG key, a shape): the model never exists on the device.
@@ -363,7 +363,7 @@ def compile_entry(
         checks=checks_at_run_time(closed),
         donate=donate,
     )
-    entry = span_delayed_update(entry, options, jit_with)  # on a GPU, compiled twice
+    entry = chosen_at_first_call(entry, options, jit_with)  # on a GPU, compiled ahead
     return refuse_miscompiled(entry, caller)  # on a GPU with a release known to miscompile
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from .._base.jax_private import persistent_cache_min_compile_time_secs
 from .._host.overlap_schedule import overlapped
+from .._host.remat_limit import within_capacity
 from .compiler_faults import compile_checked
 from .devices import attached_devices
 from .targets import Target
@@ -67,12 +68,11 @@ def compile_once(
         caught: list[str] = []
         with capture(caught), _kept_out_of_the_persistent_cache_if_deviceless(target):
             compiled = compile_checked(lowered, target)  # openxla/xla#49299 in our words
-            compiled = overlapped(  # a delayed host update spans the step on XLA:GPU
-                compiled,
-                options,
-                lambda o: compile_checked(lowered, target, compiler_options=o),
-                target.capacity,
-            )
+            again = lambda o: compile_checked(lowered, target, compiler_options=o)  # noqa: E731
+            # Over the capacity, XLA's own slop factor where it needs less.
+            compiled, kept = within_capacity(compiled, options, again, target.capacity)
+            # A delayed host update spans the step on XLA:GPU.
+            compiled = overlapped(compiled, kept, again, target.capacity)
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)
