@@ -134,13 +134,19 @@ def test_a_spanning_program_that_would_not_fit_is_not_taken(capacity, taken):
     assert len(seen) == 1 and not os.path.exists(seen[0][overlap_schedule.PROFILE_OPTION])
 
 
-def test_a_spanning_program_that_holds_more_host_memory_is_not_taken():
+@pytest.mark.parametrize(
+    ("host_capacity", "taken"), [(7, "first"), (8, "spanning"), (None, "spanning")]
+)
+def test_a_spanning_program_over_the_host_share_is_not_taken(host_capacity, taken):
+    """It holds 8 bytes of host memory where the first holds 7."""
     first, spanning = _Compiled(100), _Compiled(100)
     spanning.memory_analysis = lambda: type(  # type: ignore[method-assign]
         "Stats", (), {"temp_size_in_bytes": 100, "host_temp_size_in_bytes": 8}
     )()
-    result = overlap_schedule.overlapped(first, dict(OVERLAP_OPTIONS), lambda o: spanning, None)
-    assert result is first
+    result = overlap_schedule.overlapped(
+        first, dict(OVERLAP_OPTIONS), lambda o: spanning, None, host_capacity
+    )
+    assert result is {"first": first, "spanning": spanning}[taken]
 
 
 def test_a_delayed_update_in_slices_is_left_as_compiled():

@@ -34,9 +34,11 @@ The price: the call's results that XLA places in device memory (the new bfloat16
 parameters of device-resident parameters, written from float32 masters) are allocated at
 the call's start, so they are live during the passes: 2 bytes a parameter more (13B with
 its parameters on the device, batch 6: 86.5 GiB against 62.3). A spanning program that
-needs more than the device's capacity and more than the first, or more host memory than
-the first, is not taken (the first is kept, and `ox.memory_report` reports it), so
-nothing that fitted stops fitting; `ox.fit` and `ox.max_batch` see whichever was kept.
+needs more device memory than the device's capacity and than the first, or more host
+memory than one device's share of the host and than the first (13B on a GH200, batch 4:
+358 GiB against 339, within Grace's 480 GB), is not taken (the first is kept, and
+`ox.memory_report` reports it), so nothing that fitted stops fitting; `ox.fit` and
+`ox.max_batch` see whichever was kept.
 A delayed update computed in slices (a host call per trip of a loop: `update=
 "host_sliced"`, or the default for a delayed update on XLA:GPU) is left as compiled: it
 runs between or after the passes by design, and spanning the scalar call it leaves in the
@@ -124,15 +126,16 @@ def overlapped(
     options: Mapping[str, Any] | None,
     recompile: Callable[[dict[str, Any]], Any],
     capacity: int | None,
+    host_capacity: int | None = None,
 ) -> Any:
     """`compiled`, or, where it is a step compiled to overlap a delayed host update
     (`options` hold `compute.OVERLAP_OPTIONS`) and has such calls outside loops, the
     same step compiled again by `recompile(options)` with a profile that makes each of
     them span the step (the module docstring). The spanning program is kept only where
-    its device memory is within `capacity` (the device's bytes; None: unknown) or no
-    more than the first's, and its host memory no more than the first's (the host
-    budget is the planner's, unknown here): a step that fits is never traded for one
-    that does not."""
+    it fits as well as the first: its device memory within `capacity` (the device's
+    bytes) or no more than the first's, and its host memory within `host_capacity` (the
+    host memory one device may use) or no more than the first's; None: unknown, no
+    limit. A step that fits is never traded for one that does not."""
     if not options or PROFILE_OPTION in options or not wants_overlap(options):
         return compiled
     names = delayed_starts(compiled.as_text() or "")
@@ -140,11 +143,16 @@ def overlapped(
         return compiled
     with profile_file(names) as path:
         spanning = recompile({**options, PROFILE_OPTION: path})
-    held, first = device_bytes(spanning), device_bytes(compiled)
-    fits = capacity is None or held <= capacity or held <= first
-    if fits and device_bytes(spanning, "host_") <= device_bytes(compiled, "host_"):
+    if _fits_as_well(spanning, compiled, capacity, "") and _fits_as_well(
+        spanning, compiled, host_capacity, "host_"
+    ):
         return spanning
     return compiled
+
+
+def _fits_as_well(spanning: Any, first: Any, capacity: int | None, memory: str) -> bool:
+    held = device_bytes(spanning, memory)
+    return capacity is None or held <= capacity or held <= device_bytes(first, memory)
 
 
 def wants_overlap(options: Mapping[str, Any]) -> bool:

@@ -16,6 +16,7 @@ Elsewhere (the CPU, a TPU, a step that needs neither) the entry is left as compi
 nothing is added to any call.
 """
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,14 @@ def device_capacity(device: Any) -> int | None:
     return int(limit) if limit else None
 
 
+def host_memory() -> int | None:
+    """This machine's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class _ChosenAtFirstCall:
     """The entry's `jax.jit`, compiled ahead at its first call and the choices made (the
     module docstring); the entry then calls the chosen `jax.jit` directly."""
@@ -67,6 +76,6 @@ class _ChosenAtFirstCall:
         jits[id(first)] = self.jitted
         capacity = device_capacity(self.entry.plan.device)
         kept, options = within_capacity(first, self.options, recompile, capacity)
-        kept = overlapped(kept, options, recompile, capacity)
+        kept = overlapped(kept, options, recompile, capacity, host_memory())
         self.entry.jitted = jits[id(kept)]
         return self.entry.jitted(*dynamic)

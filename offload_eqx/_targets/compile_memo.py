@@ -47,6 +47,7 @@ def _key(lowered: Any, target: Target, options: dict[str, Any] | None) -> tuple:
         target.config,
         target.chips_per_host,
         target.capacity,
+        target.speeds.host_memory if target.speeds is not None else None,
     )
     return (digest, compiler, tuple(sorted((options or {}).items())))
 
@@ -72,7 +73,8 @@ def compile_once(
             # Over the capacity, XLA's own slop factor where it needs less.
             compiled, kept = within_capacity(compiled, options, again, target.capacity)
             # A delayed host update spans the step on XLA:GPU.
-            compiled = overlapped(compiled, kept, again, target.capacity)
+            host = target.speeds.host_memory if target.speeds is not None else None
+            compiled = overlapped(compiled, kept, again, target.capacity, host)
         _compiled[key] = (compiled, tuple(caught))
         while len(_compiled) > KEEP:
             _compiled.popitem(last=False)
