@@ -80,17 +80,17 @@ def test_a_scans_constants_and_carry_are_read_in_either_jax():
     """jax 0.10 gives a scan's `num_consts` and `num_carry`; jax 0.11 packs its inputs'
     groups into `ft_in` (the first GPU run, on jax 0.11.2, failed `ox.fit` with
     `KeyError: 'num_consts'`)."""
-    from offload_eqx._plan.remat_policy import _scan_consts_and_carry
+    from offload_eqx._base.primitives import scan_consts_and_carry
 
     w = jnp.ones(3)
     closed = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c * w + x, x), c, xs))(
         jnp.ones(3), jnp.ones((4, 3))
     )
     (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    assert _scan_consts_and_carry(scan.params) == (1, 1)
+    assert scan_consts_and_carry(scan.params) == (1, 1)
 
     class Packed:  # jax 0.11's flat tree of (constants, carry, scanned inputs)
         def unpack(self):
             return (["w", "b"], ["c"], ["x1", "x2"])
 
-    assert _scan_consts_and_carry({"ft_in": Packed(), "length": 4}) == (2, 1)
+    assert scan_consts_and_carry({"ft_in": Packed(), "length": 4}) == (2, 1)

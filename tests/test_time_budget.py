@@ -70,7 +70,8 @@ def test_full_and_unbudgeted_runs_are_not_held_to_it(project, options):
 # Left out of the default session's runtime type checks (pyproject.toml's addopts), for
 # time: the step-time model's inner loops. `nox -s tests -- --full` checks them too.
 UNCHECKED = {
-    f"offload_eqx._planning.{m}" for m in ("flops", "fused", "hlo", "kernels", "prices", "schedule")
+    f"offload_eqx._planning.{m}"
+    for m in ("dots", "flops", "fused", "hlo", "kernels", "prices", "schedule")
 }
 
 

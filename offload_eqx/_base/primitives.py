@@ -127,3 +127,13 @@ def phase_of(stack: str, phase: str, seen_backward: bool) -> str:
     if "jvp(" in stack:
         return "forward"
     return "update" if seen_backward else phase
+
+
+def scan_consts_and_carry(params: dict) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and how many its carry. jax 0.10 names
+    them `num_consts` and `num_carry`; jax 0.11 packs the inputs' groups into `ft_in`
+    (constants, carry, scanned), each as long as its inputs."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 
-from .._plan.remat_policy import _scan_consts_and_carry
+from .._base.primitives import scan_consts_and_carry
 
 # XLA:GPU's own default (`xla_gpu_memory_limit_slop_factor`, debug_options_flags.cc),
 # and the share of the device's memory it starts from without a client limit.
@@ -75,6 +75,8 @@ def _bytes(aval: Any) -> int:
         shape = sharding.shard_shape(shape) if sharding is not None else shape
     except (AttributeError, TypeError, ValueError):
         pass
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: a few bytes
+        return 0
     return math.prod(shape) * jax.numpy.dtype(dtype).itemsize
 
 
@@ -95,7 +97,7 @@ def _stacks(jaxpr: Any, outputs: set[int]) -> int:
             out = {id(b) for b, o in zip(body.outvars, eqn.outvars) if id(o) in outputs}
             total += _stacks(body, out)
         elif eqn.primitive.name == "scan":
-            ys = eqn.outvars[_scan_consts_and_carry(eqn.params)[1] :]
+            ys = eqn.outvars[scan_consts_and_carry(eqn.params)[1] :]
             total += sum(_bytes(v.aval) for v in ys if _is_host(v.aval) and id(v) not in outputs)
     return total
 

@@ -13,7 +13,7 @@ import jax.extend as jex
 from jax import checkpoint_policies
 
 from .._base.errors import ContractError, Violation
-from .._base.primitives import VIEWS, is_var
+from .._base.primitives import VIEWS, is_var, scan_consts_and_carry
 from .._declare.activations import LayerSplit, Policy, policies_of
 from .._declare.strategy import Strategy
 
@@ -65,16 +65,6 @@ _LOOP_CARRY = (
 )
 
 
-def _scan_consts_and_carry(params: dict) -> tuple[int, int]:
-    """How many of a scan's inputs are constants and how many its carry. jax 0.10 names
-    them `num_consts` and `num_carry`; jax 0.11 packs the inputs' groups into `ft_in`
-    (constants, carry, scanned), each as long as its inputs."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(consts), len(carry)
-
-
 # The scope `ox.scan` runs its loop in, so that a carry name can say which scan it is.
 OX_SCAN_SCOPE = "ox_scan"
 # The scope an annotated module's region runs in, followed by the module's path, so that
@@ -109,7 +99,7 @@ def carried_names(jaxpr: Any) -> dict[str, str]:
                 found.setdefault(eqn.params["name"], scan)
             if eqn.primitive.name == "scan":
                 body = eqn.params["jaxpr"].jaxpr
-                start, n = _scan_consts_and_carry(eqn.params)
+                start, n = scan_consts_and_carry(eqn.params)
                 ours = OX_SCAN_SCOPE in str(eqn.source_info.name_stack)
                 walk(
                     body,
