@@ -28,9 +28,8 @@ LAYERS, WEIGHTS, DIM, BATCH = 4, 4, 256, 256
 
 
 class Block(eqx.Module):
-    """Four weights a layer: four gradients copied to host memory after the backward
-    loop, which cover the scheduler's fixed latency of the host call on their own (a
-    one-weight layer does not show it)."""
+    """Four weights a layer: four gradients sent to host memory (by the backward loop's
+    trips), for the host update to read."""
 
     weights: list
 
@@ -80,8 +79,9 @@ def _entry_order(estimate):
 
 @pytest.mark.deviceless
 def test_zero_offload_delayed_update_spans_both_loops_on_the_h100():
-    """Compiled once, the host call started after the forward loop (the four gradients'
-    copies covered its fixed latency); with the profile, before it."""
+    """Compiled once, the host call is placed after the loops (its fixed latency is
+    covered by what comes before it); with the profile, it starts before the forward
+    loop and is waited for after the backward loop."""
     step, args = _step_and_args()
     estimate = ox.estimate(step, *args, target="h100")
     order, whiles, start, done = _entry_order(estimate)
@@ -259,3 +259,18 @@ def test_on_a_gpu_the_step_is_compiled_again_with_the_profile_at_its_first_call(
     assert profiles == ['costs { name: "host-call.1.start" cost_us: 1000000000.0 }\n']
     for a, b in zip(jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_parameters_a_delayed_host_update_writes_are_donated_only_where_it_is_inlined():
+    """The new bfloat16 parameters are cast from their masters by the host computation:
+    XLA:GPU gives them buffers of their own from the call's start, so the old ones are
+    not donated there (donated, XLA copied them for the passes, copied the new ones in
+    afterwards, and its scheduler waited for the update before the backward loop); this
+    machine inlines the computation and donates them."""
+    from offload_eqx._targets.deviceless import program_of_step
+
+    step, args = _step_and_args()
+    program = program_of_step(step, args, {})
+    parameters = set(range(WEIGHTS))  # the model's leaves come first
+    assert parameters <= set(program.donate_argnums)  # on this machine
+    assert parameters <= set(program.host_donated)  # not where the call is one of its own

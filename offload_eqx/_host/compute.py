@@ -39,7 +39,7 @@ import numpy as np
 from jax.core import Tracer, eval_jaxpr
 
 from .._base.jax_private import dce_jaxpr, extend_compute_type, separate_consts
-from .._sharding.memory_space import is_host_typed, labelled, to_host
+from .._sharding.memory_space import is_host_aval, is_host_typed, labelled, to_host
 from .calls import (
     HOST,
     SLICES_SCOPE,
@@ -138,6 +138,26 @@ def writes_in_place(jaxpr: Any, platform: str) -> bool:
     # A group computed in slices writes over the state even where it is the only call.
     sliced = any(SLICES_SCOPE in stack for _, stack in found)
     return sliced or any(names.count(name) > 1 for name in set(names))
+
+
+def fetched_from_host(jaxpr: Any) -> tuple[bool, ...]:
+    """For each output of a traced step with a delayed host update (the update XLA:GPU
+    overlaps with the passes, `compiler_options`), whether it is a host value fetched
+    to the device as it is (a parameter's new value cast from its master on the host,
+    not an update added on the device); all False in a step without one. XLA:GPU gives
+    such a result a device buffer of its own from the call's start, so donating the old
+    value's buffer only adds copies (`Plan.donated`)."""
+    if not any(name.startswith(DELAYED) for name in host_computations(jaxpr)):
+        return (False,) * len(jaxpr.outvars)
+    producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+
+    def fetched(var: Any) -> bool:
+        eqn = producers.get(var)
+        if eqn is None or eqn.primitive.name != "device_put" or is_host_aval(var.aval):
+            return False
+        return is_host_aval(eqn.invars[list(eqn.outvars).index(var)].aval)
+
+    return tuple(fetched(var) for var in jaxpr.outvars)
 
 
 def check_host_compute(jaxpr: Any, platform: str, where: str) -> None:
