@@ -29,6 +29,8 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Literal, Var, new_jaxpr_eqn
 
+from .._base.primitives import scan_consts_and_carry
+
 _LIST_PARAMS = ("devices", "srcs", "copy_semantics")  # one entry per operand of a send
 
 
@@ -89,7 +91,7 @@ def _how_sent(jaxpr: Any, var: Any, readers: dict) -> _Sent | None:
 def _stacks_sent(jaxpr: Any, eqn: Any, readers: dict) -> dict[int, _Sent]:
     """For a scan `eqn`, its stacked outputs (by index among its outputs) that reach host
     memory and nothing else, and how."""
-    carried = eqn.params["num_carry"]
+    _, carried = scan_consts_and_carry(eqn.params)
     found = {}
     for index, var in enumerate(eqn.outvars[carried:], carried):
         sent = _how_sent(jaxpr, var, readers)
