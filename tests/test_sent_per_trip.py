@@ -14,7 +14,7 @@ from jax.extend.core import check_jaxpr
 
 import offload_eqx as ox
 from offload_eqx._inspect.memory_report import compiled_report, program_of_step
-from offload_eqx._jit import compile as compile_module
+from offload_eqx._jit import compile as compile_module, sent_per_trip as sent_per_trip_module
 from offload_eqx._jit.sent_per_trip import sent_per_trip
 from offload_eqx._targets.targets import get_target
 
@@ -137,7 +137,8 @@ def test_the_backward_loop_writes_each_gradient_into_host_memory_on_the_h100(mon
         jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16),
     )
     per_trip, text = _h100(step, *args)
-    monkeypatch.setattr(compile_module, "sent_per_trip", lambda closed: closed)
+    for module in (compile_module, sent_per_trip_module):
+        monkeypatch.setattr(module, "sent_per_trip", lambda closed: closed)
     after, text_after = _h100(_training(8, 2048, jnp.bfloat16)[2], *args)
     into_host = re.compile(
         r"dynamic-update-slice-start.* = \(\(bf16\[8,2048,2048\]\{2,1,0:S\(5\)\}"

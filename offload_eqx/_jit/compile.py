@@ -47,7 +47,7 @@ from .miscompiled import refuse_miscompiled
 from .ordered import check_ordered_with_host
 from .retrace import check_types, types_of
 from .runtime_errors import checks_at_run_time, raises_at_run_time
-from .sent_per_trip import sent_per_trip
+from .sent_per_trip import evaluated_sending, sent_per_trip
 
 # A host-resident output is built on the host when what it reads of the device is at
 # most this many bytes (a PRNG key, a shape): the model never exists on the device.
@@ -83,18 +83,6 @@ def make_flat(
         return [x for x, m in zip(out_leaves, out_mask) if m]
 
     return flat
-
-
-def _rewritten(flat: Callable[..., list]) -> Callable[..., list]:
-    """`flat` traced, its stacks sent to host memory a slice per trip (`sent_per_trip`),
-    and evaluated: the program `compile_entry` compiles from its one trace, for a call
-    that traces the function again (a deviceless compile, `ox.audit`)."""
-
-    def rewritten(*dynamic):
-        closed = sent_per_trip(jax.make_jaxpr(flat)(*dynamic))
-        return eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
-
-    return rewritten
 
 
 def _placed(outs: list, memories: tuple, recompute: Callable, dynamic, flatten: bool) -> list:
@@ -273,10 +261,10 @@ def _several_devices(sharding: Any) -> bool:
 def _trace(
     user: Callable[..., list], abstract: list, plan: Plan, caller: str, remake: Callable
 ) -> Any:
-    """The one trace of the user's function (a ClosedJaxpr); a host-resident leaf used
-    where JAX cannot use it is reported by path."""
+    """The one trace of the user's function, stacks sent a slice per trip (`sent_per_trip`);
+    a host-resident leaf used where JAX cannot use it is reported by path."""
     try:
-        return jax.jit(user).trace(*abstract).jaxpr
+        return sent_per_trip(jax.jit(user).trace(*abstract).jaxpr)
     except (ValueError, TypeError) as error:
         if saves_complex(error):
             raise complex_saved_error(error, plan, caller) from None
@@ -306,7 +294,7 @@ def compile_entry(
 
     def remake(other: Plan, check: bool = True) -> Callable[..., list]:
         user = make_flat(call, other, treedef, mask, statics, [], check)
-        return _placing(_rewritten(user), placing[0], flatten)
+        return _placing(evaluated_sending(user), placing[0], flatten)
 
     # Traced on abstract values typed by the *planned* memory, whatever memory the
     # arguments are in now (they are moved before the first call).
@@ -314,7 +302,6 @@ def compile_entry(
     closed = _trace(
         make_flat(call, plan, treedef, mask, statics, cell), abstract, plan, caller, remake
     )
-    closed = sent_per_trip(closed)
     out_treedef, out_static, out_mask = cell
     created = plan.outputs(out_treedef, out_static, out_mask, closed.out_avals)
     plan.check_strategy(created)
@@ -332,16 +319,14 @@ def compile_entry(
     check_host_compute(closed, platform, f"this machine's {platform!r} device")
     out_avals = tuple(closed.out_avals)
     host_update = bool(set(host_computations(closed)) & set(HOST_UPDATE))
-    fetched = fetched_from_host(closed.jaxpr)
     donation = (donate, out_treedef, out_mask, out_avals, keep_root, host_update)
-    in_place = writes_in_place(closed, platform)
-    donated = plan.donated(*donation, host_in_place=in_place, fetched=fetched)
+    donation += (fetched_from_host(closed.jaxpr),)
+    donated = plan.donated(*donation, host_in_place=writes_in_place(closed, platform))
     if donated and not donate_on_error:
         donated = _unless_it_can_raise(closed, donated, caller)
     # What a target whose host update is one call of its own (XLA:GPU, not split) does
     # not donate (`writes_in_place`), for the deviceless compiles (`Program.donated_on`).
-    elsewhere = plan.donated(*donation, host_in_place=False, fetched=fetched)
-    host_donated = tuple(sorted(set(donated) - set(elsewhere)))
+    host_donated = tuple(sorted(set(donated) - set(plan.donated(*donation, host_in_place=False))))
     # Off a mesh, a program that places values on devices itself gets jit's placement
     # for its device arguments and results (None), as under `jax.jit`.
     to_jit = plan.mesh is None and places_on_devices(closed)

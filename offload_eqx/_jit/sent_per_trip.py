@@ -24,9 +24,11 @@ reads the stack in host memory, as it does a host-resident parameter's gradient)
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.core import eval_jaxpr
 from jax.extend.core import ClosedJaxpr, Literal, Var, new_jaxpr_eqn
 
 from .._base.primitives import scan_consts_and_carry
@@ -177,3 +179,15 @@ def sent_per_trip(closed: ClosedJaxpr) -> ClosedJaxpr:
         eqns[user] = _without(jaxpr.eqns[user], positions)
     kept = [eqn for eqn in eqns if eqn is not None]
     return ClosedJaxpr(jaxpr.replace(eqns=kept), closed.consts)
+
+
+def evaluated_sending(flat: Callable[..., list]) -> Callable[..., list]:
+    """`flat` traced, its stacks sent a slice per trip (`sent_per_trip`), and evaluated:
+    the program `ox.filter_jit` compiles from its one trace, for a caller that traces the
+    step again (a deviceless compile, `ox.audit`)."""
+
+    def evaluated(*dynamic):
+        closed = sent_per_trip(jax.make_jaxpr(flat)(*dynamic))
+        return eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
+
+    return evaluated

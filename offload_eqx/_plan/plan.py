@@ -225,8 +225,8 @@ class Plan:
         out_avals,
         keep_root,
         host_update: bool = False,
-        host_in_place: bool = False,
         fetched: Sequence[bool] = (),
+        host_in_place: bool = False,
     ) -> tuple:
         """The argument leaves to donate: under any `donate` but `"none"` (`"all"`,
         `"warn"`, ...) each leaf the step returns a new value of, in the same memory (the
