@@ -86,7 +86,9 @@ def _how_sent(jaxpr: Any, var: Any, readers: dict) -> _Sent | None:
         return None
     reshaped = jaxpr.eqns[user].outvars[0]
     send = _only_reader(readers, reshaped)
-    position = None if send is None else _sends_to_host(jaxpr.eqns[send], reshaped)
+    if send is None:
+        return None
+    position = _sends_to_host(jaxpr.eqns[send], reshaped)
     return None if position is None else _Sent(send, position, user)
 
 
