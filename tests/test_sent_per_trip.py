@@ -78,6 +78,17 @@ def test_sends_of_several_stacks_in_one_put_lose_only_those():
     _same(closed, rewritten, w, v)
 
 
+def test_an_unrolled_loop_keeps_its_send_after():
+    """XLA:GPU fails to compile an unrolled loop's stack in host memory."""
+
+    def f(w):
+        _, stacked = jax.lax.scan(lambda c, wi: (c, wi * 2.0), 0.0, w, unroll=2)
+        return jax.device_put(stacked, HOST)
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 2)))
+    assert sent_per_trip(closed) is closed
+
+
 @pytest.mark.parametrize("other", ["read_again", "to_device", "returned"])
 def test_a_stack_used_otherwise_is_left_as_it_is(other):
     def f(w):
@@ -169,3 +180,30 @@ def test_training_still_equals_plain_equinox_and_optax():
     for _ in range(3):
         ours, theirs = step(*ours, x), plain(*theirs, x)
     np.testing.assert_array_equal(ours[0].layers.w, theirs[0].layers.w)
+
+
+class UnrolledStack(eqx.Module):
+    layers: Layer
+
+    def __call__(self, x):
+        return ox.scan(self.layers, x, unroll=2)
+
+
+@pytest.mark.deviceless
+def test_an_unrolled_scan_updated_on_the_host_compiles_for_the_h100():
+    """Its gradients stay sent after the loop (`test_an_unrolled_loop_keeps_its_send_after`):
+    sent by each trip, XLA:GPU fails to compile the program."""
+    model = eqx.filter_eval_shape(lambda: UnrolledStack(Layer(jnp.zeros((4, 64, 64)))))
+    opt = ox.offload_optimizer(optax.adam(1e-2), update_on="host")
+
+    @ox.filter_jit(strategy=ox.Strategy("device_params", "device", "pinned_host", update="host"))
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        return ox.update_and_apply(opt, grads, state, model)
+
+    args = (
+        model,
+        eqx.filter_eval_shape(opt.init, model),
+        jax.ShapeDtypeStruct((8, 64), jnp.float32),
+    )
+    assert ox.memory_report(step, *args, target="h100").fits
