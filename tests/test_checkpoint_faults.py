@@ -392,6 +392,57 @@ def test_real_signals_and_open_file_limits_leave_nothing(tmp_path, fault):
             assert fault != "open_files" or outcome == "OSError errno=24", outcome
 
 
+_STARVED = """
+import errno, os, resource, sys
+import jax.numpy as jnp
+import offload_eqx as ox
+from offload_eqx._checkpoints import checkpoints, private_directory
+
+private_directory._REMOVE_ATTEMPTS = 3  # a failed removal shows in 0.1 s, not in 22 s
+held = []  # the failed writers' files, open until the save has returned (as their
+# event loops' were, kept by the error being raised)
+
+
+def starved_write(ocp, written, arrays, given):
+    os.makedirs(os.path.join(written + ".orbax-checkpoint-tmp", "ocdbt.process_0", "d"))
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as error:
+        raise OSError(errno.EMFILE, "Too many open files") from error
+
+
+parent = sys.argv[1]
+ox.save_checkpoint(os.path.join(parent, "warm"), {"w": jnp.ones(3)})
+checkpoints.orbax_write = starved_write
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+try:
+    ox.save_checkpoint(os.path.join(parent, "step"), {"w": jnp.ones(3)})
+except OSError as error:
+    outcome = f"errno={error.errno}"
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("OUTCOME", outcome, sorted(os.listdir(parent)), resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard))
+"""
+
+
+def test_a_save_failed_for_open_files_still_held_removes_its_directory(tmp_path):
+    """The writers of a save that failed for too many open files may keep theirs open
+    until it returns (event loops half-made, kept by the error): its directory, three
+    levels deep, is removed all the same, and the limit is as it was."""
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _STARVED, str(tmp_path / "run")],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "OUTCOME errno=24 ['warm'] True" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
 def _mount_small_disk():
     """A command prefix running the subprocess with a 40 KiB tmpfs at `/mnt` (a user
     namespace of its own), or None where that cannot be made."""

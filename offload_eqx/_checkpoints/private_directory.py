@@ -46,6 +46,7 @@ _ELSEWHERE = (
 )
 _INSIDE = "checkpoint"  # the checkpoint's name inside a save's temporary directory
 _REMOVE_ATTEMPTS = 40  # about 22 s of waiting in all (a busy machine: 4.5 s did not do)
+_REMOVAL_FILES = 64  # files `shutil.rmtree` may open at once: a few more than levels
 _NAME_BYTES = 1024  # room for a directory's name broadcast to the other processes
 
 
@@ -106,16 +107,44 @@ def _published_everywhere(caller: str, written: str, path: str) -> None:
         raise OSError(_ELSEWHERE.format(caller=caller, path=path))
 
 
+@contextlib.contextmanager
+def _room_to_remove() -> Iterator[None]:
+    """The soft limit of open files raised by `_REMOVAL_FILES` (within the hard limit)
+    while a save's directory is removed, then put back. A save that failed for too many
+    open files is removed under the same limit, and its writers' files may stay open
+    until it returns (the event loops Orbax's threads could not finish making, kept by
+    the error being raised): with every file the limit allows taken, `shutil.rmtree`
+    (one file for each level of the directory, and one to list it) removed nothing in
+    all its attempts, and the directory was left (CI: `step_1.offload_eqx-tmp-...`)."""
+    try:
+        import resource
+    except ImportError:  # no such limit here
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = soft + _REMOVAL_FILES
+    room = room if hard == resource.RLIM_INFINITY else min(room, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
+    except (ValueError, OSError):  # soft is the hard limit, or no soft limit to raise
+        yield
+        return
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def _remove(directory: str) -> None:
-    """Remove `directory`, trying again while it cannot be: a save that failed for too
-    many open files removes it under the same limit, while TensorStore still closes the
-    files of the writes that ended (`shutil.rmtree` opens one for each directory)."""
-    for attempt in range(_REMOVE_ATTEMPTS):
-        shutil.rmtree(directory, ignore_errors=True)
-        if not os.path.lexists(directory):
-            return
-        gc.collect()  # TensorStore's handles of the failed save, released with them
-        time.sleep(0.01 * 2 ** min(attempt, 6))
+    """Remove `directory`, trying again while it cannot be (TensorStore still closes the
+    files of the writes that ended), with room for the files removing it takes."""
+    with _room_to_remove():
+        for attempt in range(_REMOVE_ATTEMPTS):
+            shutil.rmtree(directory, ignore_errors=True)
+            if not os.path.lexists(directory):
+                return
+            gc.collect()  # TensorStore's handles of the failed save, released with them
+            time.sleep(0.01 * 2 ** min(attempt, 6))
 
 
 class SaveAbandoned(Exception):
