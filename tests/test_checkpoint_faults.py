@@ -8,6 +8,7 @@ thread while the stage runs, a full disk or too many open files raised by it, a 
 donated meanwhile. Real signals, a real limit of open files and a real full disk run in
 subprocesses."""
 
+import asyncio
 import builtins
 import errno
 import os
@@ -390,6 +391,40 @@ def test_real_signals_and_open_file_limits_leave_nothing(tmp_path, fault):
         else:
             assert outcome.startswith(raised[fault]) and now == "[]", (name, outcome, now)
             assert fault != "open_files" or outcome == "OSError errno=24", outcome
+
+
+class _FailedThenLateSaver:
+    """A checkpointer whose save failed as Orbax's do under a limit of open files: its
+    wait raised, while one of its threads was failing (Orbax's `_SignalingThread`, whose
+    `join` raises its error) and one started after it still wrote, making the
+    directories it writes into."""
+
+    def save(self, directory, tree):
+        from orbax.checkpoint._src.futures.future import CommitFuture
+
+        async def failed():
+            await asyncio.sleep(0.1)
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        async def late():
+            await asyncio.sleep(0.3)
+            os.makedirs(os.path.join(directory, "ocdbt.process_0", "d"))
+
+        self.futures = [CommitFuture(failed(), name="failed"), CommitFuture(late(), name="late")]
+
+    def wait_until_finished(self):  # Orbax's raises at the first failure it meets
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_failed_orbax_thread_does_not_stop_the_wait_for_those_after_it(run_directory):
+    """The wait for Orbax's threads stopped at the first that had failed (its `join`
+    raised its error), so the threads after it, and TensorStore's writes (a real save:
+    98 under way), went on after the directory was removed and made it again: a save
+    failed for too many open files left `step_6.offload_eqx-tmp-*` (3 runs in 40)."""
+    before, threads = sorted(os.listdir(run_directory)), set(threading.enumerate())
+    with pytest.raises(OSError, match="Too many open files while writing"):
+        ox.save_checkpoint(run_directory / "step_1", _tree(), checkpointer=_FailedThenLateSaver())
+    _assert_left_as_before(run_directory, before, threads)
 
 
 _STARVED = """
