@@ -427,6 +427,36 @@ def test_a_failed_orbax_thread_does_not_stop_the_wait_for_those_after_it(run_dir
     _assert_left_as_before(run_directory, before, threads)
 
 
+class _StartingLateSaver:
+    """A checkpointer whose failed save left one thread, which starts another that
+    writes after the first has ended (as Orbax's commit thread starts its own)."""
+
+    def save(self, directory, tree):
+        from orbax.checkpoint._src.futures.future import CommitFuture
+
+        async def late():
+            await asyncio.sleep(0.3)
+            os.makedirs(os.path.join(directory, "ocdbt.process_0", "d"))
+
+        async def starting():
+            await asyncio.sleep(0.1)
+            self.futures.append(CommitFuture(late(), name="late"))
+
+        self.futures = [CommitFuture(starting(), name="starting")]
+
+    def wait_until_finished(self):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_thread_started_by_an_orbax_thread_awaited_is_awaited_too(run_directory):
+    """The wait for Orbax's threads took the threads there were when it began: one that
+    a thread awaited started later went on writing after the directory was removed."""
+    before, threads = sorted(os.listdir(run_directory)), set(threading.enumerate())
+    with pytest.raises(OSError, match="Too many open files while writing"):
+        ox.save_checkpoint(run_directory / "step_1", _tree(), checkpointer=_StartingLateSaver())
+    _assert_left_as_before(run_directory, before, threads)
+
+
 _STARVED = """
 import errno, os, resource, sys
 import jax.numpy as jnp

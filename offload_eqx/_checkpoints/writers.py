@@ -159,12 +159,21 @@ def _join_started_since(before: set, belongs: Callable[[threading.Thread], bool]
     it to raise the thread's error (or a cancellation, or a timeout), which stopped this
     wait at the first failed thread, before those after it and TensorStore's writes
     (98 under way) had ended: they made the removed directory again (a save failed for
-    too many open files left `step_6.offload_eqx-tmp-*`, in 3 runs of 40 of 8 saves)."""
+    too many open files left `step_6.offload_eqx-tmp-*`, in 3 runs of 40 of 8 saves).
+    Threads started meanwhile by those joined are waited for too."""
     deadline = time.monotonic() + limit
-    for thread in threading.enumerate():
-        if thread in before or thread.daemon or thread is threading.current_thread():
-            continue
-        if belongs(thread):
+    while time.monotonic() < deadline:  # a thread joined may have started another
+        left = [
+            thread
+            for thread in threading.enumerate()
+            if thread not in before
+            and not thread.daemon
+            and thread is not threading.current_thread()
+            and belongs(thread)
+        ]
+        if not left:
+            return
+        for thread in left:
             threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
 
