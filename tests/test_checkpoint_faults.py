@@ -550,3 +550,17 @@ def test_a_real_full_disk_is_the_oserror_naming_the_checkpoint(tmp_path):
     for _, n, code, filename, left in full:
         assert (code, filename) == ("28", f"/mnt/step_{n}")
         assert "offload_eqx-tmp" not in left and "orbax-checkpoint-tmp" not in left, left
+
+
+def test_a_directory_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeypatch):
+    """Where every attempt to remove a stopped save's directory fails, the caller is told
+    which directory is left, not that nothing is."""
+    from offload_eqx._checkpoints import private_directory
+
+    left = tmp_path / "step_1.offload_eqx-tmp-abc"
+    left.mkdir()
+    monkeypatch.setattr(private_directory, "_REMOVE_ATTEMPTS", 2)
+    monkeypatch.setattr(private_directory.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.warns(UserWarning, match=r"step_1\.offload_eqx-tmp-abc` could not be removed"):
+        private_directory._remove(str(left))
+    assert left.exists()

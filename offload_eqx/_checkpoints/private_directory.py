@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -43,6 +44,12 @@ _UNDER_A_FILE = (
 _ELSEWHERE = (
     "{caller}: the first process could not rename the finished checkpoint to `{path}` "
     "(its error says why); nothing of this save is left."
+)
+_NOT_REMOVED = (
+    "offload_eqx: the unfinished checkpoint `{directory}` could not be removed after the "
+    "save stopped (its writers' files still open, or no permission); it is not a "
+    "checkpoint (no restore reads a name ending in `.offload_eqx-tmp-...`). Remove it by "
+    "hand: `rm -r '{directory}'`."
 )
 _INSIDE = "checkpoint"  # the checkpoint's name inside a save's temporary directory
 _REMOVE_ATTEMPTS = 40  # about 22 s of waiting in all (a busy machine: 4.5 s did not do)
@@ -145,6 +152,7 @@ def _remove(directory: str) -> None:
                 return
             gc.collect()  # TensorStore's handles of the failed save, released with them
             time.sleep(0.01 * 2 ** min(attempt, 6))
+    warnings.warn(_NOT_REMOVED.format(directory=directory), stacklevel=2)
 
 
 class SaveAbandoned(Exception):
