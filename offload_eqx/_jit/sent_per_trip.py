@@ -13,11 +13,12 @@ into the loop's body: each trip sends its own slice to host memory, and the loop
 the stack there (XLA writes each slice into the host buffer as its trip ends, as it does
 for an activation offloaded from a loop). The values are the same (a send is a copy);
 the device holds one slice instead of the stack, and the copies run beside the next
-trips' work. Measured deviceless (h100, jaxlib 0.10.2): Llama-2-13B with its parameters
-on the device and the update on the host, batch 6: 62.3 -> 38.1 GiB of device memory.
+trips' work. Measured deviceless (h100, jaxlib 0.10.2): Llama-2-13B with its bfloat16
+parameters on the device, float32 masters and the update on the host, batch 6: 62.1 ->
+39.7 GiB of device memory.
 
 Only the step's own equations are rewritten (a `jax.lax.scan` at its top level, as
-`jax.grad` leaves the backward loop), and only a send to host memory (`device_put` to
+`jax.grad` leaves the backward loop, not unrolled), and only a send to host memory (`device_put` to
 `jax.memory.Space.Host`) that is the stack's one reader, directly or through one reshape
 (a host computation's operands are flattened before they are sent: the reshape then
 reads the stack in host memory, as it does a host-resident parameter's gradient).
