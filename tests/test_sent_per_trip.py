@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.core import eval_jaxpr
 from jax.extend.core import check_jaxpr
 
 import offload_eqx as ox
@@ -40,8 +41,8 @@ def _scan_eqn(closed):
 
 def _same(closed, rewritten, *args):
     check_jaxpr(rewritten.jaxpr)
-    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
-    got = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args)
+    want = eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    got = eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args)
     for a, b in zip(want, got):
         assert jax.typeof(a) == jax.typeof(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
