@@ -140,6 +140,12 @@ def writes_in_place(jaxpr: Any, platform: str) -> bool:
     return sliced or any(names.count(name) > 1 for name in set(names))
 
 
+def has_delayed_update(jaxpr: Any) -> bool:
+    """Whether a traced step has a delayed host update (`delay=1`), which XLA:GPU
+    overlaps with the passes."""
+    return any(name.startswith(DELAYED) for name in host_computations(jaxpr))
+
+
 def fetched_from_host(jaxpr: Any) -> tuple[bool, ...]:
     """For each output of a traced step with a delayed host update (the update XLA:GPU
     overlaps with the passes, `compiler_options`), whether it is a host value fetched
@@ -147,7 +153,7 @@ def fetched_from_host(jaxpr: Any) -> tuple[bool, ...]:
     not an update added on the device); all False in a step without one. XLA:GPU gives
     such a result a device buffer of its own from the call's start, so donating the old
     value's buffer only adds copies (`Plan.donated`)."""
-    if not any(name.startswith(DELAYED) for name in host_computations(jaxpr)):
+    if not has_delayed_update(jaxpr):
         return (False,) * len(jaxpr.outvars)
     producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
 
@@ -216,9 +222,7 @@ def compiler_options(
       donated arguments and `out_memories` each result's memory when the compile places
       results itself (None: as traced)."""
     options: dict[str, Any] = {}
-    if platform in ("cuda", "gpu") and any(
-        name.startswith(DELAYED) for name in host_computations(jaxpr)
-    ):
+    if platform in ("cuda", "gpu") and has_delayed_update(jaxpr):
         options.update(OVERLAP_OPTIONS)
     options.update(remat_limit_options(jaxpr, platform, device_memory, donated, out_memories))
     return options or None
